@@ -1,0 +1,76 @@
+//! `tessera bench`: prefill and decode throughput, peak RSS and KV bytes.
+
+use crate::commands::{load, scheme};
+use crate::{KvArgs, ModelArgs};
+use anyhow::{bail, Result};
+use std::time::Instant;
+use tessera_engine::{argmax, Session};
+use tessera_models::LogitsMode;
+
+/// Deterministic token ids in the ordinary-text range of the vocabulary.
+fn synthetic_tokens(n: usize, vocab: usize, bos: u32) -> Vec<u32> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let hi = vocab.min(200_000) as u64;
+    std::iter::once(bos)
+        .chain((1..n).map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (1000 + state % (hi - 1000)) as u32
+        }))
+        .collect()
+}
+
+/// Peak resident set size of this process, from /proc (Linux).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn bench(margs: &ModelArgs, prompt_tokens: usize, gen_tokens: usize, depth: usize, kv: &KvArgs, json: bool) -> Result<()> {
+    let scheme = scheme(&kv.kv, kv.kv_start)?;
+    if prompt_tokens == 0 || gen_tokens == 0 {
+        bail!("--prompt-tokens and --gen-tokens must be at least 1");
+    }
+    let (model, tok) = load(margs)?;
+    if depth + gen_tokens > model.context_length() || prompt_tokens > model.context_length() {
+        bail!("--depth + --gen-tokens and --prompt-tokens must fit the model's context of {}", model.context_length());
+    }
+    let bos = tok.special().bos.unwrap_or(2);
+    // Prefill: one fresh cache, the whole prompt in default-size chunks.
+    let prompt = synthetic_tokens(prompt_tokens, model.vocab_size(), bos);
+    let mut session = Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?;
+    let t = Instant::now();
+    session.feed(&prompt)?;
+    let prefill_tps = prompt_tokens as f64 / t.elapsed().as_secs_f64();
+    // Decode: `depth` tokens of context first (not timed), then greedy steps.
+    let mut session = Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?;
+    let context = synthetic_tokens(depth.max(1), model.vocab_size(), bos);
+    let mut logits = session.feed(&context)?;
+    let t = Instant::now();
+    for _ in 0..gen_tokens {
+        let next = argmax(&logits);
+        logits = session.forward(&[next], LogitsMode::Last)?;
+    }
+    let decode_tps = gen_tokens as f64 / t.elapsed().as_secs_f64();
+    let cache = session.cache();
+    let rss = peak_rss_bytes().unwrap_or(0);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": model.architecture(), "kv": kv.kv, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps,
+                "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps,
+                "peak_rss_bytes": rss, "kv_bytes_per_token": cache.bytes_per_token(), "kv_allocated_bytes": cache.allocated_bytes(),
+            })
+        );
+    } else {
+        println!("model {} | kv {} | threads {}", model.architecture(), kv.kv, candle_core::utils::get_num_threads());
+        println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} tok/s");
+        println!("decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth})");
+        println!("peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated", rss as f64 / 1048576.0, cache.bytes_per_token(), cache.allocated_bytes() as f64 / 1048576.0);
+    }
+    Ok(())
+}

@@ -1,0 +1,274 @@
+//! The commands that load a model and talk to the engine.
+
+use crate::{KvArgs, ModelArgs, SampleArgs};
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tessera_engine::eval::{evaluate, EvalMode};
+use tessera_engine::store::{self, FetchEvent};
+use tessera_engine::{Generation, SamplerConfig, Session, TextStream};
+use tessera_kv::KvScheme;
+use tessera_models::{GgufFile, LoadOptions, Model, Tokenizer};
+
+fn fetch_with_progress(force: bool) -> Result<PathBuf> {
+    let bar = ProgressBar::new(store::DEFAULT_MODEL_BYTES);
+    bar.set_style(ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes}").unwrap().progress_chars("=> "));
+    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+    let mut progress = |e: FetchEvent| match e {
+        FetchEvent::Step(s) => bar.println(format!("tessera: {s}")),
+        FetchEvent::Bytes(done, _) => {
+            bar.set_message("assembling");
+            bar.set_position(done)
+        }
+    };
+    let path = if force { store::fetch_default_model(&mut progress)? } else { store::ensure_default_model(&mut progress)? };
+    bar.finish_and_clear();
+    Ok(path)
+}
+
+pub fn model_path(args: &ModelArgs) -> Result<PathBuf> {
+    match &args.model {
+        Some(p) => Ok(p.clone()),
+        None => fetch_with_progress(false),
+    }
+}
+
+pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
+    let path = model_path(args)?;
+    let options = LoadOptions { reencode_q5_0: !args.keep_q5_0 };
+    Ok(Model::load(&path, &options, &Device::Cpu)?)
+}
+
+pub fn scheme(kv: &str, kv_start: usize) -> Result<KvScheme> {
+    let mut s = KvScheme::parse(kv)?;
+    s.quantized_kv_start = kv_start;
+    Ok(s)
+}
+
+fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
+    if args.temperature < 0.0 || !args.temperature.is_finite() {
+        bail!("--temperature must be a finite number ≥ 0");
+    }
+    if args.top_k == Some(0) {
+        bail!("--top-k must be at least 1");
+    }
+    for (name, v) in [("--top-p", args.top_p), ("--min-p", args.min_p)] {
+        if let Some(v) = v {
+            if !(0.0..=1.0).contains(&v) {
+                bail!("{name} must be between 0 and 1");
+            }
+        }
+    }
+    if args.repetition_penalty <= 0.0 {
+        bail!("--repetition-penalty must be positive");
+    }
+    Ok(SamplerConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        ..Default::default()
+    })
+}
+
+fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
+    let s = tok.special();
+    std::iter::once(s.eos).chain(s.end_of_turn).collect()
+}
+
+fn user_turn(text: &str) -> String {
+    format!("<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n")
+}
+
+pub fn generate(
+    margs: &ModelArgs,
+    prompt: &str,
+    max_tokens: usize,
+    sargs: &SampleArgs,
+    kv: &KvArgs,
+    prefill_chunk: usize,
+    chat_template: bool,
+) -> Result<()> {
+    let scheme = scheme(&kv.kv, kv.kv_start)?;
+    let sampler = sampler(sargs)?;
+    let t0 = Instant::now();
+    let (model, tok) = load(margs)?;
+    let load_time = t0.elapsed();
+    let text = if chat_template { user_turn(prompt) } else { prompt.to_string() };
+    let ids = tok.encode(&text, true)?;
+    let mut session = Session::new(&model, &scheme, prefill_chunk)?;
+    let mut gen = Generation::new(&mut session, &ids, sampler, max_tokens, stop_tokens(&tok))?;
+    let mut stream = TextStream::new();
+    let mut out = std::io::stdout().lock();
+    let mut produced = 0;
+    for t in gen.by_ref() {
+        let piece = stream.push(&tok, t?)?;
+        out.write_all(piece.as_bytes())?;
+        out.flush()?;
+        produced += 1;
+    }
+    writeln!(out)?;
+    let reason = gen.stop_reason();
+    let s = gen.session();
+    eprintln!(
+        "[load {:.2} s | prompt {} tokens, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {:?} | kv {}]",
+        load_time.as_secs_f64(),
+        ids.len(),
+        s.prefill_tokens.max(1) as f64 / s.prefill_time.as_secs_f64().max(1e-9),
+        produced,
+        s.decode_tokens as f64 / s.decode_time.as_secs_f64().max(1e-9),
+        reason,
+        scheme,
+    );
+    Ok(())
+}
+
+pub fn chat(margs: &ModelArgs, max_tokens: usize, sargs: &SampleArgs, kv: &KvArgs, prefill_chunk: usize) -> Result<()> {
+    let scheme = scheme(&kv.kv, kv.kv_start)?;
+    let sampler = sampler(sargs)?;
+    let (model, tok) = load(margs)?;
+    let mut session = Session::new(&model, &scheme, prefill_chunk)?;
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    eprintln!("tessera chat ({}; /reset starts over, /quit or Ctrl-D leaves)", model.architecture());
+    loop {
+        write!(out, "> ")?;
+        out.flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            writeln!(out)?;
+            return Ok(());
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/quit" | "/exit" => return Ok(()),
+            "/reset" => {
+                session = Session::new(&model, &scheme, prefill_chunk)?;
+                eprintln!("(conversation reset)");
+                continue;
+            }
+            _ => {}
+        }
+        let first = session.tokens().is_empty();
+        let ids = tok.encode(&user_turn(line), first)?;
+        let mut gen = match Generation::new(&mut session, &ids, sampler.clone(), max_tokens, stop_tokens(&tok)) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("error: {e} (try /reset)");
+                continue;
+            }
+        };
+        let mut stream = TextStream::new();
+        for t in gen.by_ref() {
+            let piece = stream.push(&tok, t?)?;
+            write!(out, "{piece}")?;
+            out.flush()?;
+        }
+        writeln!(out)?;
+        // Close the model's turn so the next user turn follows the template.
+        let close = tok.encode("<end_of_turn>\n", false)?;
+        if session.context_left() > close.len() {
+            session.feed(&close)?;
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn eval(
+    margs: &ModelArgs,
+    text: &Path,
+    kv: &str,
+    kv_start: usize,
+    ctx: Option<usize>,
+    chunks: Option<usize>,
+    prefill: usize,
+    tokens: usize,
+    json: bool,
+) -> Result<()> {
+    let schemes: Vec<(String, KvScheme)> = kv
+        .split(',')
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+        .map(|s| Ok((s.to_string(), scheme(s, kv_start)?)))
+        .collect::<Result<_>>()?;
+    if schemes.is_empty() {
+        bail!("--kv lists no scheme");
+    }
+    let body = std::fs::read_to_string(text).with_context(|| format!("cannot read text file {}", text.display()))?;
+    let (model, tok) = load(margs)?;
+    let ids = tok.encode(&body, true)?;
+    let bos = tok.special().bos.unwrap_or(ids[0]);
+    let mode = match ctx {
+        Some(ctx) => EvalMode::Chunks { ctx, chunks },
+        None => EvalMode::Decode { prefill, tokens },
+    };
+    let results = evaluate(&model, &ids, &schemes, mode, bos)?;
+    if json {
+        let entries: Vec<serde_json::Value> = results
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "kv": r.kv, "ppl": r.ppl, "kl_vs_bf16": r.kl_vs_bf16, "top1_agree": r.top1_agree,
+                    "kv_bytes_per_token": r.kv_bytes_per_token, "tokens_scored": r.tokens_scored,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::json!({ "schemes": entries }));
+    } else {
+        println!("{:<16} {:>10} {:>12} {:>10} {:>14} {:>8}", "kv", "ppl", "kl_vs_bf16", "top1", "kv_bytes/tok", "scored");
+        for r in &results {
+            let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
+            println!(
+                "{:<16} {:>10.4} {:>12} {:>10} {:>14.0} {:>8}",
+                r.kv,
+                r.ppl,
+                opt(r.kl_vs_bf16, 6),
+                opt(r.top1_agree, 4),
+                r.kv_bytes_per_token,
+                r.tokens_scored
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn fetch() -> Result<()> {
+    let path = fetch_with_progress(true)?;
+    println!("{}", path.display());
+    Ok(())
+}
+
+pub fn info(model: Option<&Path>) -> Result<()> {
+    let path = match model {
+        Some(p) => p.to_path_buf(),
+        None => fetch_with_progress(false)?,
+    };
+    let g = GgufFile::open(&path)?;
+    let arch = g.architecture()?;
+    let key = |k: &str| format!("{arch}.{k}");
+    let num = |k: &str| g.u32(&key(k)).map(|v| v.to_string()).unwrap_or_else(|_| "?".into());
+    println!("file:          {}", path.display());
+    println!("architecture:  {arch}");
+    if let Ok(name) = g.string("general.name") {
+        println!("name:          {name}");
+    }
+    println!("layers:        {}", num("block_count"));
+    println!("hidden:        {}", num("embedding_length"));
+    println!("heads:         {} query, {} kv", num("attention.head_count"), num("attention.head_count_kv"));
+    println!("head_dim:      {}", num("attention.key_length"));
+    println!("ffn:           {}", num("feed_forward_length"));
+    println!("context:       {}", num("context_length"));
+    if let Ok(w) = g.u32(&key("attention.sliding_window")) {
+        println!("sliding window: {w}");
+    }
+    println!("vocab:         {}", g.array("tokenizer.ggml.tokens").map(|a| a.len().to_string()).unwrap_or_else(|_| "?".into()));
+    let types: Vec<String> = g.tensor_types().iter().map(|(t, n)| format!("{t} {n}")).collect();
+    println!("tensor types:  {}", types.join(", "));
+    Ok(())
+}

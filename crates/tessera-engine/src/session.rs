@@ -1,0 +1,94 @@
+//! A session: one model, one KV cache, and the tokens fed so far. Prefill goes in chunks
+//! (each chunk one `append_window` per layer); decode feeds one token at a time.
+
+use crate::EngineError;
+use candle_core::Tensor;
+use std::time::{Duration, Instant};
+use tessera_kv::{KvCache, KvScheme};
+use tessera_models::{LogitsMode, Model};
+
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+pub struct Session<'m> {
+    model: &'m Model,
+    cache: KvCache,
+    tokens: Vec<u32>,
+    prefill_chunk: usize,
+    /// Time spent in prefill and in decode forwards, and how many tokens each covered.
+    pub prefill_time: Duration,
+    pub prefill_tokens: usize,
+    pub decode_time: Duration,
+    pub decode_tokens: usize,
+}
+
+impl<'m> Session<'m> {
+    pub fn new(model: &'m Model, scheme: &KvScheme, prefill_chunk: usize) -> Result<Self, EngineError> {
+        if prefill_chunk == 0 {
+            return Err(EngineError::Invalid("--prefill-chunk must be at least 1".into()));
+        }
+        Ok(Session {
+            model,
+            cache: KvCache::new(&model.layer_specs(), scheme, vec![0]),
+            tokens: Vec::new(),
+            prefill_chunk,
+            prefill_time: Duration::ZERO,
+            prefill_tokens: 0,
+            decode_time: Duration::ZERO,
+            decode_tokens: 0,
+        })
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    pub fn context_left(&self) -> usize {
+        self.model.context_length().saturating_sub(self.tokens.len())
+    }
+
+    /// Feeds `tokens` through the model in prefill chunks and returns the logits of the
+    /// last one. Refuses input that would overflow the model's context.
+    pub fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if tokens.len() > self.context_left() {
+            return Err(EngineError::PromptTooLong { prompt: self.tokens.len() + tokens.len(), context: self.model.context_length() });
+        }
+        let start = Instant::now();
+        let mut last = None;
+        for chunk in tokens.chunks(self.prefill_chunk) {
+            last = Some(self.forward(chunk, LogitsMode::Last)?);
+        }
+        if tokens.len() > 1 {
+            self.prefill_time += start.elapsed();
+            self.prefill_tokens += tokens.len();
+        } else {
+            self.decode_time += start.elapsed();
+            self.decode_tokens += 1;
+        }
+        Ok(last.expect("at least one chunk"))
+    }
+
+    /// Feeds one chunk as one append and returns its logits (last or all positions),
+    /// flattened row-major `(positions, vocab)`.
+    pub fn forward(&mut self, chunk: &[u32], mode: LogitsMode) -> Result<Vec<f32>, EngineError> {
+        let ids = Tensor::from_slice(chunk, (1, chunk.len()), self.model.device())?;
+        let logits = self.model.forward(&ids, &mut self.cache, mode)?;
+        self.tokens.extend_from_slice(chunk);
+        Ok(logits.squeeze(0)?.flatten_all()?.to_vec1()?)
+    }
+}
+
+/// Log-softmax of one row of logits, in f64 for stable sums.
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    let log_z = max + sum.ln();
+    logits.iter().map(|&l| l as f64 - log_z).collect()
+}
+

@@ -1,0 +1,255 @@
+//! Layer caches: one codec's planes, one retention policy and the rows, composed.
+
+use crate::plain::PlainPlanes;
+use crate::rows::Rows;
+use crate::{AttentionRead, Codec, KvError, KvScheme, LayerSpec, Retention};
+use candle_core::Tensor;
+
+/// What a model's attention layer sees: append new keys and values, get back a read.
+pub trait AttentionCache {
+    /// Appends one decode step (one query position per row) and returns its read.
+    fn append_decode(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError>;
+    /// Appends a causal chunk of positions (prefill, or a speculative window).
+    fn append_window(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError>;
+    /// Physical positions appended so far (padding included).
+    fn offset(&self) -> usize;
+    /// Drops the last `n` positions (speculative rollback).
+    fn trim(&mut self, n: usize) -> Result<(), KvError>;
+    /// Encoded bytes one position costs, over all rows, keys and values.
+    fn bytes_per_token(&self) -> usize;
+    /// Names the storage, e.g. `kv:plain:bf16` or `kv:window512:plain:bf16`.
+    fn signature(&self) -> String;
+}
+
+/// The cache of one attention layer.
+#[derive(Debug)]
+pub struct LayerCache {
+    layer: usize,
+    spec: LayerSpec,
+    planes: PlainPlanes,
+    rows: Rows,
+}
+
+impl LayerCache {
+    pub fn new(layer: usize, spec: LayerSpec, codec: Codec, left_pad: Vec<usize>) -> Self {
+        let planes = match codec {
+            Codec::Plain(dtype) => PlainPlanes::new(dtype),
+        };
+        LayerCache { layer, spec, planes, rows: Rows::new(left_pad) }
+    }
+
+    pub fn spec(&self) -> &LayerSpec {
+        &self.spec
+    }
+
+    pub fn rows(&self) -> &Rows {
+        &self.rows
+    }
+
+    pub fn allocated_bytes(&self) -> usize {
+        self.planes.allocated_bytes()
+    }
+
+    fn check(&self, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+        let bad = || KvError::ShapeMismatch {
+            layer: self.layer,
+            got: k.dims().to_vec(),
+            rows: self.rows.batch(),
+            kv_heads: self.spec.kv_heads,
+            head_dim: self.spec.head_dim,
+        };
+        let (b, h, n, d) = k.dims4().map_err(|_| bad())?;
+        let (vb, vh, vn, vd) = v.dims4().map_err(|_| bad())?;
+        if b != self.rows.batch() || h != self.spec.kv_heads || d != self.spec.head_dim || n == 0 {
+            return Err(bad());
+        }
+        if (vb, vh, vn, vd) != (b, h, n, self.spec.value_dim) {
+            return Err(bad());
+        }
+        Ok(())
+    }
+
+    /// The one append every named read goes through: store the new positions, gather every
+    /// position the new queries may see in temporal order, and mask the rest.
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
+        self.check(k, v)?;
+        let n = k.dims()[2];
+        let start = self.rows.end();
+        let device = k.device().clone();
+        let (keys, values, positions, window) = match self.spec.retention {
+            Retention::Full => {
+                self.planes.reserve(k, v, start + n, usize::MAX)?;
+                self.planes.write(start, k, v)?;
+                let (keys, values) = self.planes.read(0, start + n)?;
+                (keys, values, (0..start + n).collect::<Vec<_>>(), None)
+            }
+            Retention::Window { size } => {
+                // The first new query needs the previous size-1 positions; read them before
+                // the new positions overwrite their slots.
+                let kept = start.min(size - 1);
+                let (old_k, old_v) = self.read_ring(start - kept, kept, size)?;
+                let new_k = self.planes.as_stored(k)?;
+                let new_v = self.planes.as_stored(v)?;
+                let (keys, values) = match (old_k, old_v) {
+                    (Some(ok), Some(ov)) => (Tensor::cat(&[&ok, &new_k], 2)?, Tensor::cat(&[&ov, &new_v], 2)?),
+                    _ => (new_k, new_v),
+                };
+                self.write_ring(start, k, v, size)?;
+                (keys, values, (start - kept..start + n).collect(), Some(size))
+            }
+        };
+        let mask = self.rows.mask(n, &positions, window, &device)?;
+        self.rows.advance(n);
+        Ok(AttentionRead::new(keys, values, mask))
+    }
+
+    /// Positions `first .. first + len` of a ring of `size` slots, in temporal order.
+    fn read_ring(&self, first: usize, len: usize, size: usize) -> Result<(Option<Tensor>, Option<Tensor>), KvError> {
+        if len == 0 {
+            return Ok((None, None));
+        }
+        let slot = first % size;
+        let head = len.min(size - slot);
+        let (k1, v1) = self.planes.read(slot, head)?;
+        if head == len {
+            return Ok((Some(k1), Some(v1)));
+        }
+        let (k2, v2) = self.planes.read(0, len - head)?;
+        Ok((Some(Tensor::cat(&[&k1, &k2], 2)?), Some(Tensor::cat(&[&v1, &v2], 2)?)))
+    }
+
+    /// Stores positions `first ..` of `k`, `v` in a ring of `size` slots; only the last
+    /// `size` of them survive.
+    fn write_ring(&mut self, first: usize, k: &Tensor, v: &Tensor, size: usize) -> Result<(), KvError> {
+        let n = k.dims()[2];
+        let skip = n.saturating_sub(size);
+        let (k, v) = (k.narrow(2, skip, n - skip)?, v.narrow(2, skip, n - skip)?);
+        let (first, n) = (first + skip, n - skip);
+        self.planes.reserve(&k, &v, (first + n).min(size), size)?;
+        let slot = first % size;
+        let head = n.min(size - slot);
+        self.planes.write(slot, &k.narrow(2, 0, head)?, &v.narrow(2, 0, head)?)?;
+        if head < n {
+            self.planes.write(0, &k.narrow(2, head, n - head)?, &v.narrow(2, head, n - head)?)?;
+        }
+        Ok(())
+    }
+}
+
+impl AttentionCache for LayerCache {
+    fn append_decode(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
+        self.append(k, v)
+    }
+
+    fn append_window(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
+        self.append(k, v)
+    }
+
+    fn offset(&self) -> usize {
+        self.rows.end()
+    }
+
+    fn trim(&mut self, n: usize) -> Result<(), KvError> {
+        let held = self.rows.end();
+        if let Retention::Window { size } = self.spec.retention {
+            if held > size && n > 0 {
+                return Err(KvError::TrimWrappedRing { layer: self.layer, requested: n, window: size, held });
+            }
+        }
+        if n > held {
+            return Err(KvError::TrimTooFar { layer: self.layer, requested: n, held });
+        }
+        self.rows.retreat(n);
+        Ok(())
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        let per_row = self.spec.kv_heads * (self.spec.head_dim + self.spec.value_dim) * self.planes.dtype().size_in_bytes();
+        per_row * self.rows.batch()
+    }
+
+    fn signature(&self) -> String {
+        let codec = format!("plain:{}", self.planes.dtype().name());
+        match self.spec.retention {
+            Retention::Full => format!("kv:{codec}"),
+            Retention::Window { size } => format!("kv:window{size}:{codec}"),
+        }
+    }
+}
+
+/// The caches of every layer of one model, for one batch of rows.
+#[derive(Debug)]
+pub struct KvCache {
+    layers: Vec<LayerCache>,
+    left_pad: Vec<usize>,
+}
+
+impl KvCache {
+    /// Builds one layer cache per spec; `left_pad[row]` is the padding before row `row`'s
+    /// first real token (all zeros for a single sequence).
+    pub fn new(specs: &[LayerSpec], scheme: &KvScheme, left_pad: Vec<usize>) -> Self {
+        let layers = specs
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| LayerCache::new(i, *spec, scheme.codec_for(i), left_pad.clone()))
+            .collect();
+        KvCache { layers, left_pad }
+    }
+
+    pub fn layer_mut(&mut self, layer: usize) -> &mut LayerCache {
+        &mut self.layers[layer]
+    }
+
+    pub fn layers(&self) -> &[LayerCache] {
+        &self.layers
+    }
+
+    pub fn batch(&self) -> usize {
+        self.left_pad.len()
+    }
+
+    pub fn left_pad(&self) -> &[usize] {
+        &self.left_pad
+    }
+
+    /// Physical positions appended (padding included).
+    pub fn end(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.offset())
+    }
+
+    /// Real positions per row: the RoPE position of each row's next token.
+    pub fn offsets(&self) -> Vec<usize> {
+        self.left_pad.iter().map(|&p| self.end().saturating_sub(p)).collect()
+    }
+
+    /// Trims every layer, or none: a refusal by any layer leaves the cache unchanged.
+    pub fn trim(&mut self, n: usize) -> Result<(), KvError> {
+        for layer in &self.layers {
+            if let Retention::Window { size } = layer.spec.retention {
+                if layer.offset() > size && n > 0 {
+                    return Err(KvError::TrimWrappedRing { layer: layer.layer, requested: n, window: size, held: layer.offset() });
+                }
+            }
+            if n > layer.offset() {
+                return Err(KvError::TrimTooFar { layer: layer.layer, requested: n, held: layer.offset() });
+            }
+        }
+        for layer in &mut self.layers {
+            layer.trim(n)?;
+        }
+        Ok(())
+    }
+
+    /// Encoded bytes per position over all layers and rows.
+    pub fn bytes_per_token(&self) -> usize {
+        self.layers.iter().map(|l| l.bytes_per_token()).sum()
+    }
+
+    pub fn allocated_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.allocated_bytes()).sum()
+    }
+
+    pub fn signatures(&self) -> Vec<String> {
+        self.layers.iter().map(|l| l.signature()).collect()
+    }
+}

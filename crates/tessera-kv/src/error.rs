@@ -1,0 +1,26 @@
+use thiserror::Error;
+
+/// Everything that can go wrong in KV storage. Each variant names what was wrong.
+#[derive(Debug, Error)]
+pub enum KvError {
+    #[error("unknown KV scheme `{given}` (supported: {supported})")]
+    UnknownScheme { given: String, supported: &'static str },
+
+    #[error("layer {layer}: cannot trim {requested} positions from a sliding-window ring of {window} that has wrapped ({held} positions appended); the evicted positions are gone")]
+    TrimWrappedRing { layer: usize, requested: usize, window: usize, held: usize },
+
+    #[error("layer {layer}: cannot trim {requested} positions, only {held} are held")]
+    TrimTooFar { layer: usize, requested: usize, held: usize },
+
+    #[error("layer {layer}: append of shape {got:?} does not match the cache's (rows {rows}, kv_heads {kv_heads}, head_dim {head_dim})")]
+    ShapeMismatch { layer: usize, got: Vec<usize>, rows: usize, kv_heads: usize, head_dim: usize },
+
+    #[error("left padding has {given} rows but the cache was built for {rows}")]
+    RowCount { given: usize, rows: usize },
+
+    #[error("query of shape {got:?} does not fit this read ({detail})")]
+    QueryShape { got: Vec<usize>, detail: String },
+
+    #[error("tensor operation failed: {0}")]
+    Tensor(#[from] candle_core::Error),
+}

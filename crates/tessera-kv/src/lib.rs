@@ -1,0 +1,33 @@
+//! tessera-kv: per-layer KV storage and the attention reads over it.
+//!
+//! A model's attention layer appends its new keys and values to a [`LayerCache`] and gets
+//! back an [`AttentionRead`] to attend with; it never sees how positions are stored.
+//! A layer cache composes four separate concerns, following the reference design's
+//! KV "legos" (`../shared/seeds/`):
+//!
+//! - **Codec** ([`Codec`]) — how a position is encoded into tensor planes
+//!   `[row, kv_head, slot, field]`. This first slice has [`Codec::Plain`] (bf16, f16, f32),
+//!   stored by [`plain::PlainPlanes`].
+//! - **Retention** ([`Retention`]) — which positions are kept and in which slot:
+//!   `Full` (capacity grows in 256-slot steps) or `Window` (a ring of `size` slots).
+//! - **Rows** ([`rows::Rows`]) — batch bookkeeping: per-row left padding and offsets, masks.
+//! - **Composition** ([`KvScheme`]) — which codec each layer gets, parsed from `--kv SCHEME`.
+//!
+//! [`KvCache`] holds one [`LayerCache`] per model layer, built from the model's
+//! [`LayerSpec`]s and a [`KvScheme`].
+
+mod cache;
+mod error;
+pub mod plain;
+mod read;
+pub mod rows;
+mod scheme;
+
+pub use cache::{AttentionCache, KvCache, LayerCache};
+pub use error::KvError;
+pub use read::AttentionRead;
+pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention};
+
+/// Capacity of full-retention storage grows in steps of this many positions, so that
+/// appends do not reallocate the whole cache every token.
+pub const GROWTH_STEP: usize = 256;

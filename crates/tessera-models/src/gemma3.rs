@@ -1,0 +1,386 @@
+//! Gemma 3 text decoder, written against the tessera-kv cache API.
+//!
+//! Follows Google's Gemma 3 report and the public reference implementations
+//! (Hugging Face `modeling_gemma3`, mlx-lm `gemma3_text.py`): QK-norm, four RMSNorms per block,
+//! gelu-tanh MLP, tied embeddings scaled by sqrt(hidden), sliding-window layers with their
+//! own RoPE base, and every sixth layer global. GGUF files written by llama.cpp store the
+//! norm weights already shifted by one, so a weight `w` scales as `x · w`.
+
+use crate::gguf::{q5_0_as_q8_0, GgufFile};
+use crate::{LoadOptions, LogitsMode, ModelError};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
+
+// ---------------------------------------------------------------------------------------
+// Config
+
+/// Hyperparameters, from GGUF metadata where present.
+#[derive(Debug, Clone)]
+pub struct Gemma3Config {
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    pub ffn: usize,
+    pub rms_eps: f64,
+    pub rope_base_global: f32,
+    pub rope_base_local: f32,
+    pub sliding_window: usize,
+    /// Every `sliding_pattern`-th layer (1-based) is global.
+    pub sliding_pattern: usize,
+    pub query_pre_attn_scalar: f64,
+    pub context_length: usize,
+    pub vocab: usize,
+}
+
+/// Values the GGUF does not carry; llama.cpp hard-codes the same for Gemma 3
+/// (see ../shared/reference/gemma3-270m.md).
+pub const DEFAULT_SLIDING_PATTERN: usize = 6;
+pub const DEFAULT_ROPE_BASE_LOCAL: f32 = 10_000.0;
+
+impl Gemma3Config {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
+        let key = |k: &str| format!("gemma3.{k}");
+        let u = |k: &str| g.u32(&key(k)).map(|x| x as usize);
+        let heads = u("attention.head_count")?;
+        let hidden = u("embedding_length")?;
+        let head_dim = u("attention.key_length").unwrap_or(hidden / heads);
+        let vocab = g.array("tokenizer.ggml.tokens").map(|a| a.len())?;
+        Ok(Gemma3Config {
+            hidden,
+            layers: u("block_count")?,
+            heads,
+            kv_heads: u("attention.head_count_kv").unwrap_or(heads),
+            head_dim,
+            value_dim: u("attention.value_length").unwrap_or(head_dim),
+            ffn: u("feed_forward_length")?,
+            rms_eps: g.f32(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6) as f64,
+            rope_base_global: g.f32(&key("rope.freq_base")).unwrap_or(1_000_000.0),
+            rope_base_local: DEFAULT_ROPE_BASE_LOCAL,
+            sliding_window: u("attention.sliding_window").unwrap_or(512),
+            sliding_pattern: DEFAULT_SLIDING_PATTERN,
+            query_pre_attn_scalar: head_dim as f64,
+            context_length: u("context_length").unwrap_or(32768),
+            vocab,
+        })
+    }
+
+    pub fn is_sliding(&self, layer: usize) -> bool {
+        (layer + 1) % self.sliding_pattern != 0
+    }
+
+    pub fn layer_specs(&self) -> Vec<LayerSpec> {
+        (0..self.layers)
+            .map(|i| LayerSpec {
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+                value_dim: self.value_dim,
+                retention: if self.is_sliding(i) {
+                    Retention::Window { size: self.sliding_window }
+                } else {
+                    Retention::Full
+                },
+            })
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Layers
+
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
+    }
+}
+
+/// RoPE tables for one forward: `(rows, tokens, head_dim / 2)`, for each base in use.
+pub(crate) struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// `positions[row][i]` is the RoPE position of token `i` of row `row`.
+    fn new(positions: &[Vec<usize>], head_dim: usize, base: f32, device: &Device) -> candle_core::Result<Self> {
+        let half = head_dim / 2;
+        let inv: Vec<f64> = (0..half).map(|i| (base as f64).powf(-((2 * i) as f64) / head_dim as f64)).collect();
+        let (b, n) = (positions.len(), positions[0].len());
+        let mut cos = Vec::with_capacity(b * n * half);
+        let mut sin = Vec::with_capacity(b * n * half);
+        for row in positions {
+            for &p in row {
+                for &f in &inv {
+                    let a = p as f64 * f;
+                    cos.push(a.cos() as f32);
+                    sin.push(a.sin() as f32);
+                }
+            }
+        }
+        Ok(Rope { cos: Tensor::from_vec(cos, (b, n, half), device)?, sin: Tensor::from_vec(sin, (b, n, half), device)? })
+    }
+
+    fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::rotary_emb::rope(&x.contiguous()?, &self.cos, &self.sin)
+    }
+}
+
+struct Attention {
+    q: QMatMul,
+    k: QMatMul,
+    v: QMatMul,
+    o: QMatMul,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    value_dim: usize,
+    scale: f32,
+}
+
+/// Queries, keys and values of one attention layer before the read.
+struct Projected {
+    q: Tensor, // (b, heads, n, head_dim)
+    k: Tensor, // (b, kv_heads, n, head_dim)
+    v: Tensor, // (b, kv_heads, n, value_dim)
+}
+
+impl Attention {
+    fn project(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Projected> {
+        let (b, n, _) = x.dims3()?;
+        let split = |t: Tensor, heads: usize, dim: usize| t.reshape((b, n, heads, dim))?.transpose(1, 2)?.contiguous();
+        let q = split(self.q.forward(x)?, self.heads, self.head_dim)?;
+        let k = split(self.k.forward(x)?, self.kv_heads, self.head_dim)?;
+        let v = split(self.v.forward(x)?, self.kv_heads, self.value_dim)?;
+        let q = rope.apply(&self.q_norm.forward(&q)?)?;
+        let k = rope.apply(&self.k_norm.forward(&k)?)?;
+        Ok(Projected { q, k, v })
+    }
+
+    fn output(&self, attended: &Tensor) -> candle_core::Result<Tensor> {
+        // (b, heads, n, value_dim) -> (b, n, heads * value_dim)
+        let (b, _, n, _) = attended.dims4()?;
+        self.o.forward(&attended.transpose(1, 2)?.reshape((b, n, self.heads * self.value_dim))?)
+    }
+
+    fn forward(&self, x: &Tensor, rope: &Rope, cache: &mut impl AttentionCache) -> Result<Tensor, ModelError> {
+        let p = self.project(x, rope)?;
+        let read = if p.q.dims()[2] == 1 { cache.append_decode(&p.k, &p.v)? } else { cache.append_window(&p.k, &p.v)? };
+        let attended = read.attend(&p.q, self.scale)?;
+        Ok(self.output(&attended)?)
+    }
+}
+
+struct Mlp {
+    gate: QMatMul,
+    up: QMatMul,
+    down: QMatMul,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let gate = self.gate.forward(x)?.gelu()?; // gelu, tanh approximation
+        self.down.forward(&(gate * self.up.forward(x)?)?)
+    }
+}
+
+struct Block {
+    attn_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: RmsNorm,
+    ffn_norm: RmsNorm,
+    mlp: Mlp,
+    post_ffn_norm: RmsNorm,
+    sliding: bool,
+}
+
+impl Block {
+    /// The residual stream around attention (given as a closure so the cached and the
+    /// uncached reference forward share everything else) and the MLP.
+    fn forward(&self, x: &Tensor, attend: impl FnOnce(&Tensor) -> Result<Tensor, ModelError>) -> Result<Tensor, ModelError> {
+        let h = attend(&self.attn_norm.forward(x)?)?;
+        let x = (x + self.post_attn_norm.forward(&h)?)?;
+        let h = self.mlp.forward(&self.ffn_norm.forward(&x)?)?;
+        Ok((x + self.post_ffn_norm.forward(&h)?)?)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Model
+
+pub struct Gemma3 {
+    config: Gemma3Config,
+    embed: QTensor,
+    output: QMatMul,
+    blocks: Vec<Block>,
+    final_norm: RmsNorm,
+    device: Device,
+}
+
+impl Gemma3 {
+    pub fn load(g: &mut GgufFile, options: &LoadOptions, device: &Device) -> Result<Self, ModelError> {
+        let c = Gemma3Config::from_gguf(g)?;
+        let eps = c.rms_eps as f32;
+        let matrix = |g: &mut GgufFile, name: String, rows: usize, cols: usize| -> Result<QMatMul, ModelError> {
+            let t = g.tensor(&name, &[rows, cols], device)?;
+            let t = if options.reencode_q5_0 { q5_0_as_q8_0(t)? } else { t };
+            Ok(QMatMul::from_qtensor(t)?)
+        };
+        let norm = |g: &mut GgufFile, name: String, dim: usize| -> Result<RmsNorm, ModelError> {
+            Ok(RmsNorm { weight: g.tensor(&name, &[dim], device)?.dequantize(device)?, eps })
+        };
+        let mut blocks = Vec::with_capacity(c.layers);
+        for i in 0..c.layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let attn = Attention {
+                q: matrix(g, p("attn_q"), c.heads * c.head_dim, c.hidden)?,
+                k: matrix(g, p("attn_k"), c.kv_heads * c.head_dim, c.hidden)?,
+                v: matrix(g, p("attn_v"), c.kv_heads * c.value_dim, c.hidden)?,
+                o: matrix(g, p("attn_output"), c.hidden, c.heads * c.value_dim)?,
+                q_norm: norm(g, p("attn_q_norm"), c.head_dim)?,
+                k_norm: norm(g, p("attn_k_norm"), c.head_dim)?,
+                heads: c.heads,
+                kv_heads: c.kv_heads,
+                head_dim: c.head_dim,
+                value_dim: c.value_dim,
+                scale: (1.0 / c.query_pre_attn_scalar.sqrt()) as f32,
+            };
+            blocks.push(Block {
+                attn_norm: norm(g, p("attn_norm"), c.hidden)?,
+                attn,
+                post_attn_norm: norm(g, p("post_attention_norm"), c.hidden)?,
+                ffn_norm: norm(g, p("ffn_norm"), c.hidden)?,
+                mlp: Mlp {
+                    gate: matrix(g, p("ffn_gate"), c.ffn, c.hidden)?,
+                    up: matrix(g, p("ffn_up"), c.ffn, c.hidden)?,
+                    down: matrix(g, p("ffn_down"), c.hidden, c.ffn)?,
+                },
+                post_ffn_norm: norm(g, p("post_ffw_norm"), c.hidden)?,
+                sliding: c.is_sliding(i),
+            });
+        }
+        let final_norm = norm(g, "output_norm.weight".into(), c.hidden)?;
+        let embed = g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?;
+        // Tied output layer unless the file carries its own.
+        let output = if g.has_tensor("output.weight") {
+            matrix(g, "output.weight".into(), c.vocab, c.hidden)?
+        } else {
+            QMatMul::from_qtensor(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?)?
+        };
+        Ok(Gemma3 { config: c, embed, output, blocks, final_norm, device: device.clone() })
+    }
+
+    pub fn config(&self) -> &Gemma3Config {
+        &self.config
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn embed(&self, tokens: &Tensor) -> Result<Tensor, ModelError> {
+        let ids: Vec<u32> = tokens.flatten_all()?.to_vec1()?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.config.vocab) {
+            return Err(ModelError::TokenOutOfRange { id, vocab: self.config.vocab });
+        }
+        let x = self.embed.embedding(tokens)?; // (b, n, hidden)
+        Ok((x * (self.config.hidden as f64).sqrt())?)
+    }
+
+    fn ropes(&self, positions: &[Vec<usize>]) -> candle_core::Result<(Rope, Rope)> {
+        let c = &self.config;
+        Ok((
+            Rope::new(positions, c.head_dim, c.rope_base_local, &self.device)?,
+            Rope::new(positions, c.head_dim, c.rope_base_global, &self.device)?,
+        ))
+    }
+
+    fn logits(&self, x: &Tensor, mode: LogitsMode) -> Result<Tensor, ModelError> {
+        let x = match mode {
+            LogitsMode::Last => {
+                let n = x.dims()[1];
+                x.narrow(1, n - 1, 1)?
+            }
+            LogitsMode::All => x.clone(),
+        };
+        let x = self.final_norm.forward(&x)?;
+        Ok(self.output.forward(&x)?)
+    }
+
+    /// Runs `tokens` `(rows, n)` through the model, appending to `cache`: a prefill chunk
+    /// when `n > 1`, a decode step when `n == 1`. Returns logits `(rows, n or 1, vocab)`.
+    pub fn forward(&self, tokens: &Tensor, cache: &mut KvCache, mode: LogitsMode) -> Result<Tensor, ModelError> {
+        let (b, n) = tokens.dims2()?;
+        if cache.batch() != b {
+            return Err(ModelError::Kv(tessera_kv::KvError::RowCount { given: b, rows: cache.batch() }));
+        }
+        // Row r's next token has RoPE position end - left_pad[r]. Padding positions precede a
+        // row's real tokens; any position works for them since no real query attends them.
+        let end = cache.end();
+        let positions: Vec<Vec<usize>> = cache
+            .left_pad()
+            .iter()
+            .map(|&pad| (end..end + n).map(|p| p.saturating_sub(pad)).collect())
+            .collect();
+        let (local, global) = self.ropes(&positions)?;
+        let mut x = self.embed(tokens)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let rope = if block.sliding { &local } else { &global };
+            let layer = cache.layer_mut(i);
+            x = block.forward(&x, |h| block.attn.forward(h, rope, layer))?;
+        }
+        self.logits(&x, mode)
+    }
+
+    /// One pass over a whole single sequence with no cache: attention computed directly
+    /// with an explicit causal (and, on sliding layers, windowed) mask. This is the
+    /// independent reference the cached path is tested against; it is not used to serve.
+    pub fn forward_uncached(&self, tokens: &[u32]) -> Result<Tensor, ModelError> {
+        let n = tokens.len();
+        let ids = Tensor::from_slice(tokens, (1, n), &self.device)?;
+        let positions = vec![(0..n).collect::<Vec<_>>()];
+        let (local, global) = self.ropes(&positions)?;
+        let mut x = self.embed(&ids)?;
+        for block in &self.blocks {
+            let (rope, window) = if block.sliding { (&local, Some(self.config.sliding_window)) } else { (&global, None) };
+            x = block.forward(&x, |h| {
+                let a = &block.attn;
+                let p = a.project(h, rope)?;
+                let mut mask = vec![0f32; n * n];
+                for q in 0..n {
+                    for k in 0..n {
+                        if k > q || window.is_some_and(|w| q - k >= w) {
+                            mask[q * n + k] = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                let mask = Tensor::from_vec(mask, (n, n), &self.device)?;
+                let group = a.heads / a.kv_heads;
+                let k = repeat_kv(&p.k, group)?;
+                let v = repeat_kv(&p.v, group)?;
+                let scores = (p.q.matmul(&k.t()?)? * a.scale as f64)?.broadcast_add(&mask)?;
+                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                Ok(a.output(&probs.matmul(&v)?)?)
+            })?;
+        }
+        self.logits(&x, LogitsMode::All)
+    }
+}
+
+/// `(b, kv_heads, n, d)` -> `(b, kv_heads * group, n, d)`, each KV head repeated for its group.
+fn repeat_kv(x: &Tensor, group: usize) -> candle_core::Result<Tensor> {
+    if group == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h, n, d) = x.dims4()?;
+    x.unsqueeze(2)?.expand((b, h, group, n, d))?.reshape((b, h * group, n, d))
+}

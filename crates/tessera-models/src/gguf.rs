@@ -1,0 +1,193 @@
+//! GGUF loading on top of candle's reader: validation that names what is wrong with a bad
+//! file, typed metadata access, and the lossless Q5_0 → Q8_0 re-encoding.
+//!
+//! Why re-encode: candle's CPU Q5_0 dot product is scalar, while its Q8_0 path is
+//! vectorized. A Q5_0 block (f16 scale `d`, 32 five-bit codes in `qs` + `qh`) holds integers
+//! −16…15 times `d`; a Q8_0 block holds 32 int8 times the same `d`, so every weight survives
+//! bit for bit (see ../shared/reference/candle-cpu.md).
+
+use crate::ModelError;
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::Device;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+/// An opened, validated GGUF file.
+pub struct GgufFile {
+    path: PathBuf,
+    content: Content,
+    reader: BufReader<File>,
+}
+
+impl GgufFile {
+    /// Opens `path` and checks that the header parses and every tensor's data lies inside
+    /// the file, so a truncated download fails here with the tensor it cuts.
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+        if !path.exists() {
+            return Err(ModelError::NotFound { path: path.to_path_buf() });
+        }
+        let file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let mut reader = BufReader::new(file);
+        let content = Content::read(&mut reader)
+            .map_err(|e| ModelError::Corrupt { path: path.to_path_buf(), reason: first_line(&e.to_string()) })?;
+        for (name, info) in &content.tensor_infos {
+            let elems = info.shape.elem_count();
+            let block = info.ggml_dtype.block_size();
+            if elems % block != 0 {
+                return Err(ModelError::Corrupt {
+                    path: path.to_path_buf(),
+                    reason: format!("tensor `{name}` has {elems} elements, not a multiple of its block size {block}"),
+                });
+            }
+            let bytes = (elems / block * info.ggml_dtype.type_size()) as u64;
+            let needed = content.tensor_data_offset.saturating_add(info.offset).saturating_add(bytes);
+            if needed > len {
+                return Err(ModelError::Truncated { path: path.to_path_buf(), tensor: name.clone(), needed, len });
+            }
+        }
+        Ok(GgufFile { path: path.to_path_buf(), content, reader })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn architecture(&self) -> Result<String, ModelError> {
+        self.string("general.architecture")
+    }
+
+    pub fn metadata(&self) -> &std::collections::HashMap<String, Value> {
+        &self.content.metadata
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn missing(key: &str) -> ModelError {
+        ModelError::MissingMetadata { key: key.to_string() }
+    }
+
+    pub fn u32(&self, key: &str) -> Result<u32, ModelError> {
+        let v = self.get(key).ok_or_else(|| Self::missing(key))?;
+        match v {
+            Value::U8(x) => Ok(*x as u32),
+            Value::U16(x) => Ok(*x as u32),
+            Value::U32(x) => Ok(*x),
+            Value::I32(x) if *x >= 0 => Ok(*x as u32),
+            Value::U64(x) => u32::try_from(*x).map_err(|_| Self::missing(key)),
+            _ => Err(Self::missing(key)),
+        }
+    }
+
+    pub fn f32(&self, key: &str) -> Result<f32, ModelError> {
+        match self.get(key).ok_or_else(|| Self::missing(key))? {
+            Value::F32(x) => Ok(*x),
+            Value::F64(x) => Ok(*x as f32),
+            _ => Err(Self::missing(key)),
+        }
+    }
+
+    pub fn string(&self, key: &str) -> Result<String, ModelError> {
+        match self.get(key).ok_or_else(|| Self::missing(key))? {
+            Value::String(s) => Ok(s.clone()),
+            _ => Err(Self::missing(key)),
+        }
+    }
+
+    pub fn bool_or(&self, key: &str, default: bool) -> bool {
+        match self.get(key) {
+            Some(Value::Bool(b)) => *b,
+            _ => default,
+        }
+    }
+
+    pub fn array(&self, key: &str) -> Result<&Vec<Value>, ModelError> {
+        match self.get(key).ok_or_else(|| Self::missing(key))? {
+            Value::Array(a) => Ok(a),
+            _ => Err(Self::missing(key)),
+        }
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    /// Count of tensors per storage type, e.g. `Q5_0: 81`.
+    pub fn tensor_types(&self) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        for info in self.content.tensor_infos.values() {
+            *counts.entry(format!("{:?}", info.ggml_dtype)).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// Reads tensor `name`, checking its shape (candle's order: outermost first).
+    pub fn tensor(&mut self, name: &str, expected: &[usize], device: &Device) -> Result<QTensor, ModelError> {
+        let info = self.content.tensor_infos.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_string() })?;
+        if info.shape.dims() != expected {
+            return Err(ModelError::TensorShape {
+                name: name.to_string(),
+                got: info.shape.dims().to_vec(),
+                expected: expected.to_vec(),
+            });
+        }
+        self.content
+            .tensor(&mut self.reader, name, device)
+            .map_err(|e| ModelError::Corrupt { path: self.path.clone(), reason: format!("tensor `{name}`: {}", first_line(&e.to_string())) })
+    }
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or("").to_string()
+}
+
+const Q5_0_BLOCK_BYTES: usize = 22;
+const Q8_0_BLOCK_BYTES: usize = 34;
+
+/// Re-encodes a Q5_0 tensor as Q8_0, value for value; other types pass through unchanged.
+pub fn q5_0_as_q8_0(tensor: QTensor) -> Result<QTensor, ModelError> {
+    if tensor.dtype() != GgmlDType::Q5_0 {
+        return Ok(tensor);
+    }
+    let data = tensor.data()?;
+    let blocks = data.len() / Q5_0_BLOCK_BYTES;
+    let mut out = vec![0u8; blocks * Q8_0_BLOCK_BYTES];
+    for (src, dst) in data.chunks_exact(Q5_0_BLOCK_BYTES).zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES)) {
+        dst[..2].copy_from_slice(&src[..2]); // the same f16 scale
+        let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
+        let qs = &src[6..22];
+        for j in 0..16 {
+            let lo = (qs[j] & 0x0f) as i32 | ((((qh >> j) & 1) as i32) << 4);
+            let hi = (qs[j] >> 4) as i32 | ((((qh >> (j + 16)) & 1) as i32) << 4);
+            dst[2 + j] = (lo - 16) as i8 as u8;
+            dst[2 + j + 16] = (hi - 16) as i8 as u8;
+        }
+    }
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(out), &tensor.device(), GgmlDType::Q8_0)?;
+    Ok(QTensor::new(storage, tensor.shape().clone())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Tensor;
+
+    #[test]
+    fn q5_0_reencodes_to_identical_q8_0_values() {
+        let device = Device::Cpu;
+        let values: Vec<f32> = (0..64 * 32).map(|i| ((i * 7919) % 1000) as f32 / 100.0 - 5.0).collect();
+        let t = Tensor::from_vec(values, (64, 32), &device).unwrap();
+        let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).unwrap();
+        let before: Vec<f32> = q5.dequantize(&device).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let q8 = q5_0_as_q8_0(q5).unwrap();
+        assert_eq!(q8.dtype(), GgmlDType::Q8_0);
+        let after: Vec<f32> = q8.dequantize(&device).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(before, after);
+    }
+}

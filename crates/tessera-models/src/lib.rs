@@ -1,0 +1,99 @@
+//! tessera-models: GGUF loading, the tokenizer, and one file per model architecture.
+//!
+//! [`Model::load`] opens a GGUF file ([`gguf::GgufFile`], which validates it), picks the
+//! architecture from `general.architecture` and builds its graph; [`Tokenizer`] is built
+//! from the same file's vocabulary. A model declares its layers as
+//! [`tessera_kv::LayerSpec`]s and runs every attention read through a
+//! [`tessera_kv::KvCache`] the caller owns: models hold no mutable state.
+
+mod error;
+pub mod gemma3;
+pub mod gguf;
+mod tokenizer;
+
+pub use error::ModelError;
+pub use gguf::GgufFile;
+pub use tokenizer::{SpecialTokens, Tokenizer};
+
+use candle_core::{Device, Tensor};
+use std::path::Path;
+use tessera_kv::{KvCache, LayerSpec};
+
+/// Which positions a forward returns logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// Only the last position of each row (generation).
+    Last,
+    /// Every position (perplexity).
+    All,
+}
+
+/// How weights are prepared when loading.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Re-encode Q5_0 matrices as Q8_0 (lossless; much faster on CPU).
+    pub reencode_q5_0: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { reencode_q5_0: true }
+    }
+}
+
+pub const SUPPORTED_ARCHITECTURES: &str = "gemma3";
+
+/// A loaded model of one of the supported architectures.
+pub enum Model {
+    Gemma3(gemma3::Gemma3),
+}
+
+impl Model {
+    /// Opens, validates and loads the GGUF file at `path`, with its tokenizer.
+    pub fn load(path: &Path, options: &LoadOptions, device: &Device) -> Result<(Model, Tokenizer), ModelError> {
+        let mut gguf = GgufFile::open(path)?;
+        let arch = gguf.architecture()?;
+        let model = match arch.as_str() {
+            "gemma3" => Model::Gemma3(gemma3::Gemma3::load(&mut gguf, options, device)?),
+            _ => return Err(ModelError::UnknownArchitecture { arch, supported: SUPPORTED_ARCHITECTURES }),
+        };
+        let tokenizer = Tokenizer::from_gguf(&gguf)?;
+        Ok((model, tokenizer))
+    }
+
+    pub fn forward(&self, tokens: &Tensor, cache: &mut KvCache, mode: LogitsMode) -> Result<Tensor, ModelError> {
+        match self {
+            Model::Gemma3(m) => m.forward(tokens, cache, mode),
+        }
+    }
+
+    pub fn layer_specs(&self) -> Vec<LayerSpec> {
+        match self {
+            Model::Gemma3(m) => m.config().layer_specs(),
+        }
+    }
+
+    pub fn context_length(&self) -> usize {
+        match self {
+            Model::Gemma3(m) => m.config().context_length,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Model::Gemma3(m) => m.config().vocab,
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        match self {
+            Model::Gemma3(m) => m.device(),
+        }
+    }
+
+    pub fn architecture(&self) -> &'static str {
+        match self {
+            Model::Gemma3(_) => "gemma3",
+        }
+    }
+}
