@@ -8,6 +8,7 @@ use std::marker::PhantomData;
 /// Keys `(rows, kv_heads, keys, head_dim)` and values `(rows, kv_heads, keys, value_dim)` in
 /// f32, plus an additive mask `(rows, 1, queries, keys)` when some query may not see some key.
 /// Borrowing the cache keeps it from changing while the read is alive.
+#[derive(Debug)]
 pub struct AttentionRead<'a> {
     keys: Tensor,
     values: Tensor,

@@ -7,7 +7,7 @@
 //! norm weights already shifted by one, so a weight `w` scales as `x · w`.
 
 use crate::gguf::{q5_0_as_q8_0, GgufFile};
-use crate::{LoadOptions, LogitsMode, ModelError};
+use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
@@ -184,11 +184,16 @@ struct Mlp {
     gate: QMatMul,
     up: QMatMul,
     down: QMatMul,
+    activation: MlpActivation,
 }
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let gate = self.gate.forward(x)?.gelu()?; // gelu, tanh approximation
+        let gate = self.gate.forward(x)?;
+        let gate = match self.activation {
+            MlpActivation::Architecture => gate.gelu()?, // gelu, tanh approximation
+            MlpActivation::Silu => candle_nn::ops::silu(&gate)?,
+        };
         self.down.forward(&(gate * self.up.forward(x)?)?)
     }
 }
@@ -233,7 +238,7 @@ impl Gemma3 {
         let matrix = |g: &mut GgufFile, name: String, rows: usize, cols: usize| -> Result<QMatMul, ModelError> {
             let t = g.tensor(&name, &[rows, cols], device)?;
             let t = if options.reencode_q5_0 { q5_0_as_q8_0(t)? } else { t };
-            Ok(QMatMul::from_qtensor(t)?)
+            as_matmul(t, options)
         };
         let norm = |g: &mut GgufFile, name: String, dim: usize| -> Result<RmsNorm, ModelError> {
             Ok(RmsNorm { weight: g.tensor(&name, &[dim], device)?.dequantize(device)?, eps })
@@ -263,6 +268,7 @@ impl Gemma3 {
                     gate: matrix(g, p("ffn_gate"), c.ffn, c.hidden)?,
                     up: matrix(g, p("ffn_up"), c.ffn, c.hidden)?,
                     down: matrix(g, p("ffn_down"), c.hidden, c.ffn)?,
+                    activation: options.mlp_activation,
                 },
                 post_ffn_norm: norm(g, p("post_ffw_norm"), c.hidden)?,
                 sliding: c.is_sliding(i),
@@ -274,7 +280,7 @@ impl Gemma3 {
         let output = if g.has_tensor("output.weight") {
             matrix(g, "output.weight".into(), c.vocab, c.hidden)?
         } else {
-            QMatMul::from_qtensor(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?)?
+            as_matmul(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?, options)?
         };
         Ok(Gemma3 { config: c, embed, output, blocks, final_norm, device: device.clone() })
     }
@@ -374,6 +380,13 @@ impl Gemma3 {
         }
         self.logits(&x, LogitsMode::All)
     }
+}
+
+fn as_matmul(t: QTensor, options: &LoadOptions) -> Result<QMatMul, ModelError> {
+    if options.dequantize {
+        return Ok(QMatMul::Tensor(t.dequantize(&t.device())?));
+    }
+    Ok(QMatMul::from_qtensor(t)?)
 }
 
 /// `(b, kv_heads, n, d)` -> `(b, kv_heads * group, n, d)`, each KV head repeated for its group.

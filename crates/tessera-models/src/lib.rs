@@ -33,12 +33,28 @@ pub enum LogitsMode {
 pub struct LoadOptions {
     /// Re-encode Q5_0 matrices as Q8_0 (lossless; much faster on CPU).
     pub reencode_q5_0: bool,
+    /// Dequantize every matrix to f32 at load. Slow and large, but free of the int8
+    /// re-quantization of activations that candle's quantized matmuls do, whose noise can
+    /// flip near-tied tokens; numerical reference tests use it.
+    pub dequantize: bool,
+    /// The MLP activation; only conformance tests change it.
+    pub mlp_activation: MlpActivation,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { reencode_q5_0: true }
+        LoadOptions { reencode_q5_0: true, dequantize: false, mlp_activation: MlpActivation::Architecture }
     }
+}
+
+/// Which activation the MLP gate uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpActivation {
+    /// The architecture's own (gelu-tanh for Gemma 3).
+    Architecture,
+    /// SiLU instead: candle-transformers' quantized_gemma3 (0.11) uses it for Gemma 3, so
+    /// the conformance test against candle swaps it in to compare everything else.
+    Silu,
 }
 
 pub const SUPPORTED_ARCHITECTURES: &str = "gemma3";

@@ -1,0 +1,185 @@
+//! Layer-cache reads against an independent reference: every position kept in a plain
+//! list, attention computed in f64 loops with the mask written out from its definition
+//! (causal, left padding, sliding window). Covers chunked appends, decode steps, rings that
+//! wrap, GQA, left-padded rows and trim.
+
+use candle_core::{Device, Tensor};
+use proptest::prelude::*;
+use tessera_kv::{AttentionCache, Codec, KvCache, KvScheme, LayerSpec, PlainDType, Retention};
+
+struct Reference {
+    keys: Vec<Vec<Vec<Vec<f32>>>>, // [row][head][pos][d]
+    values: Vec<Vec<Vec<Vec<f32>>>>,
+}
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+fn random(shape: (usize, usize, usize, usize), seed: &mut u64) -> (Tensor, Vec<f32>) {
+    let n = shape.0 * shape.1 * shape.2 * shape.3;
+    let data: Vec<f32> = (0..n).map(|_| lcg(seed)).collect();
+    (Tensor::from_vec(data.clone(), shape, &Device::Cpu).unwrap(), data)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn reference_attend(
+    r: &Reference,
+    q: &[f32],
+    (b, qh, n, d): (usize, usize, usize, usize),
+    kvh: usize,
+    start: usize,
+    pads: &[usize],
+    window: Option<usize>,
+    scale: f32,
+) -> Vec<f32> {
+    let g = qh / kvh;
+    let mut out = vec![0f32; b * qh * n * d];
+    for row in 0..b {
+        for h in 0..qh {
+            let keys = &r.keys[row][h / g];
+            let values = &r.values[row][h / g];
+            for i in 0..n {
+                let qp = start + i;
+                let visible: Vec<usize> = (0..=qp)
+                    .filter(|&k| k >= pads[row] && window.map_or(true, |w| qp - k < w))
+                    .collect();
+                if qp < pads[row] {
+                    continue; // padding query: output unspecified
+                }
+                let qv = &q[((row * qh + h) * n + i) * d..][..d];
+                let scores: Vec<f64> = visible
+                    .iter()
+                    .map(|&k| keys[k].iter().zip(qv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64)
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let z: f64 = exps.iter().sum();
+                for dd in 0..d {
+                    let v: f64 = visible.iter().zip(&exps).map(|(&k, e)| e / z * values[k][dd] as f64).sum();
+                    out[((row * qh + h) * n + i) * d + dd] = v as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+fn run_case(kvh: usize, group: usize, d: usize, window: Option<usize>, pads: Vec<usize>, chunks: &[usize], seed: u64) {
+    let b = pads.len();
+    let qh = kvh * group;
+    let spec = LayerSpec {
+        kv_heads: kvh,
+        head_dim: d,
+        value_dim: d,
+        retention: window.map_or(Retention::Full, |size| Retention::Window { size }),
+    };
+    let scheme = KvScheme::uniform(Codec::Plain(PlainDType::F32));
+    let mut cache = KvCache::new(&[spec], &scheme, pads.clone());
+    let mut reference = Reference { keys: vec![vec![Vec::new(); kvh]; b], values: vec![vec![Vec::new(); kvh]; b] };
+    let mut seed = seed;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut start = 0;
+    for &n in chunks {
+        let (k, kd) = random((b, kvh, n, d), &mut seed);
+        let (v, vd) = random((b, kvh, n, d), &mut seed);
+        let (q, qd) = random((b, qh, n, d), &mut seed);
+        for row in 0..b {
+            for h in 0..kvh {
+                for i in 0..n {
+                    let at = ((row * kvh + h) * n + i) * d;
+                    reference.keys[row][h].push(kd[at..at + d].to_vec());
+                    reference.values[row][h].push(vd[at..at + d].to_vec());
+                }
+            }
+        }
+        let layer = cache.layer_mut(0);
+        let read = if n == 1 { layer.append_decode(&k, &v).unwrap() } else { layer.append_window(&k, &v).unwrap() };
+        let got: Vec<f32> = read.attend(&q, scale).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let want = reference_attend(&reference, &qd, (b, qh, n, d), kvh, start, &pads, window, scale);
+        for row in 0..b {
+            for h in 0..qh {
+                for i in 0..n {
+                    if start + i < pads[row] {
+                        continue;
+                    }
+                    for dd in 0..d {
+                        let at = ((row * qh + h) * n + i) * d + dd;
+                        let (g, w) = (got[at], want[at]);
+                        assert!((g - w).abs() <= 1e-4 + 1e-3 * w.abs(), "row {row} head {h} query {i} (start {start}): {g} vs {w}");
+                    }
+                }
+            }
+        }
+        start += n;
+        assert_eq!(cache.end(), start);
+    }
+}
+
+#[test]
+fn full_layer_chunked_then_decode() {
+    run_case(2, 2, 64, None, vec![0], &[7, 300, 1, 1, 1], 1);
+}
+
+#[test]
+fn window_ring_wraps_in_chunks_and_decode() {
+    run_case(1, 4, 32, Some(16), vec![0], &[5, 20, 1, 1, 9, 1, 40, 1], 2);
+}
+
+#[test]
+fn left_padded_rows_with_window() {
+    run_case(1, 2, 16, Some(8), vec![0, 3, 6], &[7, 1, 1, 12, 1], 3);
+}
+
+#[test]
+fn trim_full_then_continue_and_wrapped_ring_refuses() {
+    let spec = |retention| LayerSpec { kv_heads: 1, head_dim: 8, value_dim: 8, retention };
+    let scheme = KvScheme::uniform(Codec::Plain(PlainDType::Bf16));
+    let mut cache = KvCache::new(&[spec(Retention::Full), spec(Retention::Window { size: 4 })], &scheme, vec![0]);
+    let mut seed = 9;
+    for layer in 0..2 {
+        let (k, _) = random((1, 1, 3, 8), &mut seed);
+        cache.layer_mut(layer).append_window(&k, &k).unwrap();
+    }
+    cache.trim(2).unwrap();
+    assert_eq!(cache.end(), 1);
+    for layer in 0..2 {
+        let (k, _) = random((1, 1, 6, 8), &mut seed);
+        cache.layer_mut(layer).append_window(&k, &k).unwrap();
+    }
+    let err = cache.trim(1).unwrap_err().to_string();
+    assert!(err.contains("wrapped"), "{err}");
+    assert_eq!(cache.end(), 7, "a refused trim changes nothing");
+    assert_eq!(cache.bytes_per_token(), 2 * (8 + 8) * 2);
+    assert_eq!(cache.signatures(), vec!["kv:plain:bf16".to_string(), "kv:window4:plain:bf16".to_string()]);
+}
+
+#[test]
+fn wrong_shapes_are_typed_errors() {
+    let spec = LayerSpec { kv_heads: 2, head_dim: 8, value_dim: 8, retention: Retention::Full };
+    let mut cache = KvCache::new(&[spec], &KvScheme::uniform(Codec::Plain(PlainDType::F32)), vec![0]);
+    let mut seed = 1;
+    let (k, _) = random((1, 1, 3, 8), &mut seed);
+    let err = cache.layer_mut(0).append_window(&k, &k).unwrap_err().to_string();
+    assert!(err.contains("layer 0") && err.contains("kv_heads 2"), "{err}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    #[test]
+    fn reads_match_reference(
+        kvh in 1usize..3,
+        group in prop::sample::select(vec![1usize, 2, 4]),
+        d in prop::sample::select(vec![16usize, 64]),
+        window in prop::option::of(4usize..40),
+        pads in prop::collection::vec(0usize..5, 1..3),
+        chunks in prop::collection::vec(prop_oneof![Just(1usize), 2usize..50], 1..6),
+        seed in any::<u64>(),
+    ) {
+        let longest_pad = *pads.iter().max().unwrap();
+        let mut chunks = chunks;
+        chunks[0] = chunks[0].max(longest_pad + 1);
+        run_case(kvh, group, d, window, pads, &chunks, seed);
+    }
+}
