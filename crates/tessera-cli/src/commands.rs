@@ -38,7 +38,7 @@ pub fn model_path(args: &ModelArgs) -> Result<PathBuf> {
 
 pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     let path = model_path(args)?;
-    let options = LoadOptions { reencode_q5_0: !args.keep_q5_0 };
+    let options = LoadOptions { reencode_q5_0: !args.keep_q5_0, ..Default::default() };
     Ok(Model::load(&path, &options, &Device::Cpu)?)
 }
 

@@ -3,7 +3,7 @@
 mod bench;
 mod commands;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -67,8 +67,11 @@ enum Command {
         #[command(flatten)]
         model: ModelArgs,
         /// The prompt text.
+        #[arg(long, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
+        prompt: Option<String>,
+        /// Read the prompt from a file instead.
         #[arg(long)]
-        prompt: String,
+        prompt_file: Option<PathBuf>,
         /// Most tokens to generate.
         #[arg(long, default_value_t = 128)]
         max_tokens: usize,
@@ -163,7 +166,12 @@ enum ModelAction {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Generate { model, prompt, max_tokens, sample, kv, prefill_chunk, chat_template } => {
+        Command::Generate { model, prompt, prompt_file, max_tokens, sample, kv, prefill_chunk, chat_template } => {
+            let prompt = match (prompt, prompt_file) {
+                (Some(p), _) => p,
+                (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("cannot read prompt file {}", f.display()))?,
+                (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
+            };
             commands::generate(&model, &prompt, max_tokens, &sample, &kv, prefill_chunk, chat_template)
         }
         Command::Chat { model, max_tokens, sample, kv, prefill_chunk } => commands::chat(&model, max_tokens, &sample, &kv, prefill_chunk),
