@@ -8,8 +8,9 @@
 
 use crate::gguf::{q5_0_as_q8_0, GgufFile};
 use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
-use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use crate::q8::Linear;
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
 use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
 
 // ---------------------------------------------------------------------------------------
@@ -134,10 +135,10 @@ impl Rope {
 }
 
 struct Attention {
-    q: QMatMul,
-    k: QMatMul,
-    v: QMatMul,
-    o: QMatMul,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
     heads: usize,
@@ -181,9 +182,9 @@ impl Attention {
 }
 
 struct Mlp {
-    gate: QMatMul,
-    up: QMatMul,
-    down: QMatMul,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
     activation: MlpActivation,
 }
 
@@ -224,8 +225,9 @@ impl Block {
 
 pub struct Gemma3 {
     config: Gemma3Config,
-    embed: QTensor,
-    output: QMatMul,
+    /// Token embeddings, unless the tied output layer's repacked rows serve lookups.
+    embed: Option<QTensor>,
+    output: Linear,
     blocks: Vec<Block>,
     final_norm: RmsNorm,
     device: Device,
@@ -235,7 +237,7 @@ impl Gemma3 {
     pub fn load(g: &mut GgufFile, options: &LoadOptions, device: &Device) -> Result<Self, ModelError> {
         let c = Gemma3Config::from_gguf(g)?;
         let eps = c.rms_eps as f32;
-        let matrix = |g: &mut GgufFile, name: String, rows: usize, cols: usize| -> Result<QMatMul, ModelError> {
+        let matrix = |g: &mut GgufFile, name: String, rows: usize, cols: usize| -> Result<Linear, ModelError> {
             let t = g.tensor(&name, &[rows, cols], device)?;
             let t = if options.reencode_q5_0 { q5_0_as_q8_0(t)? } else { t };
             as_matmul(t, options)
@@ -275,12 +277,16 @@ impl Gemma3 {
             });
         }
         let final_norm = norm(g, "output_norm.weight".into(), c.hidden)?;
-        let embed = g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?;
         // Tied output layer unless the file carries its own.
-        let output = if g.has_tensor("output.weight") {
-            matrix(g, "output.weight".into(), c.vocab, c.hidden)?
-        } else {
+        let tied = !g.has_tensor("output.weight");
+        let output = if tied {
             as_matmul(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?, options)?
+        } else {
+            matrix(g, "output.weight".into(), c.vocab, c.hidden)?
+        };
+        let embed = match (&output, tied) {
+            (Linear::Q8(_), true) => None,
+            _ => Some(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?),
         };
         Ok(Gemma3 { config: c, embed, output, blocks, final_norm, device: device.clone() })
     }
@@ -298,7 +304,15 @@ impl Gemma3 {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.config.vocab) {
             return Err(ModelError::TokenOutOfRange { id, vocab: self.config.vocab });
         }
-        let x = self.embed.embedding(tokens)?; // (b, n, hidden)
+        let x = match (&self.embed, &self.output) {
+            (Some(table), _) => table.embedding(tokens)?, // (b, n, hidden)
+            (None, Linear::Q8(m)) => {
+                let rows: Vec<f32> = ids.iter().flat_map(|&id| m.row(id as usize)).collect();
+                let (b, n) = tokens.dims2()?;
+                Tensor::from_vec(rows, (b, n, self.config.hidden), &self.device)?
+            }
+            (None, Linear::Candle(_)) => unreachable!("embeddings are kept unless the Q8 output serves them"),
+        };
         Ok((x * (self.config.hidden as f64).sqrt())?)
     }
 
@@ -382,11 +396,8 @@ impl Gemma3 {
     }
 }
 
-fn as_matmul(t: QTensor, options: &LoadOptions) -> Result<QMatMul, ModelError> {
-    if options.dequantize {
-        return Ok(QMatMul::Tensor(t.dequantize(&t.device())?));
-    }
-    Ok(QMatMul::from_qtensor(t)?)
+fn as_matmul(t: QTensor, options: &LoadOptions) -> Result<Linear, ModelError> {
+    Ok(Linear::new(t, options.dequantize)?)
 }
 
 /// `(b, kv_heads, n, d)` -> `(b, kv_heads * group, n, d)`, each KV head repeated for its group.

@@ -9,6 +9,7 @@
 mod error;
 pub mod gemma3;
 pub mod gguf;
+pub mod q8;
 mod tokenizer;
 
 pub use error::ModelError;

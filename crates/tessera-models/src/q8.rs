@@ -1,0 +1,318 @@
+//! A Q8_0 weight matmul for x86-64 CPUs with AVX-512 VNNI, used for every Q8_0 matrix (and
+//! every Q5_0 matrix after its lossless re-encoding to Q8_0).
+//!
+//! Why our own: candle 0.11 multiplies Q8_0 matrices whose width is not a multiple of 256
+//! (all of Gemma 3 270M's: k = 640) with one scalar-scheduled AVX2 dot product per
+//! (row, column) pair, converting the f16 block scale on every block. Here the weights are
+//! repacked once at load into int8 codes plus f32 block scales, activations are quantized to
+//! Q8_0 as llama.cpp does (per 32-element block, scale = max|x| / 127, round half away from
+//! zero), and a 4 × 4 register tile of (activation row, weight row) pairs shares every load.
+//! `vpdpbusd` multiplies unsigned by signed bytes, so each product a·w is formed as
+//! |w| · (a with w's sign), the same trick as ggml's AVX2 path.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Result, Tensor};
+
+const BLOCK: usize = 32;
+const Q8_0_BYTES: usize = 34;
+
+/// A Q8_0 matrix `(n, k)` repacked for [`Q8Matrix::matmul`].
+pub struct Q8Matrix {
+    n: usize,
+    k: usize,
+    /// Codes, row-major `(n, k)`.
+    qs: Vec<i8>,
+    /// Block scales `(n, k / 32)`.
+    d: Vec<f32>,
+}
+
+/// Whether this CPU runs the kernel.
+pub fn supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512vnni")
+            && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+impl Q8Matrix {
+    /// Repacks a 2-D Q8_0 tensor; `None` for any other type.
+    pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
+        if t.dtype() != GgmlDType::Q8_0 {
+            return Ok(None);
+        }
+        let (n, k) = t.shape().dims2()?;
+        let kb = k / BLOCK;
+        let data = t.data()?;
+        let mut qs = vec![0i8; n * k];
+        let mut d = vec![0f32; n * kb];
+        for (b, block) in data.chunks_exact(Q8_0_BYTES).enumerate() {
+            let scale = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+            for (dst, &src) in qs[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(&block[2..]) {
+                *dst = src as i8;
+            }
+            d[b] = scale;
+        }
+        Ok(Some(Q8Matrix { n, k, qs, d }))
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.n
+    }
+
+    /// `x` `(..., k)` f32 times this matrix transposed: `(..., n)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let k = *dims.last().unwrap();
+        if k != self.k {
+            candle_core::bail!("Q8Matrix: input width {k}, matrix width {}", self.k);
+        }
+        let m = x.elem_count() / k;
+        let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        let mut out = vec![0f32; m * self.n];
+        self.matmul(&xs, m, &mut out);
+        let mut out_dims = dims;
+        *out_dims.last_mut().unwrap() = self.n;
+        Tensor::from_vec(out, out_dims, x.device())
+    }
+
+    /// `out (m, n) = x (m, k) · Wᵀ`.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let acts = QuantizedActs::new(x, m, self.k);
+        let tiles = self.n.div_ceil(4);
+        let out_ptr = out.as_mut_ptr() as usize;
+        candle_core::utils::barrier_pool().execute_chunked(tiles, |range| {
+            for tile in range {
+                let j0 = tile * 4;
+                // SAFETY: each weight-row tile writes only its own output columns.
+                unsafe { self.tile_columns(&acts, j0, out_ptr as *mut f32) };
+            }
+        });
+    }
+
+    /// All activation rows against weight rows `j0 .. j0 + 4` (fewer at the end).
+    unsafe fn tile_columns(&self, acts: &QuantizedActs, j0: usize, out: *mut f32) {
+        let nr = (self.n - j0).min(4);
+        #[cfg(target_arch = "x86_64")]
+        if acts.m == 1 {
+            // One activation row: weight rows one after another, a single stream per thread.
+            for j in j0..j0 + nr {
+                *out.add(j) = row_dot(self, acts, j);
+            }
+            return;
+        }
+        let mut i = 0;
+        while i < acts.m {
+            let mr = (acts.m - i).min(4);
+            let mut result = [[0f32; 4]; 4];
+            #[cfg(target_arch = "x86_64")]
+            match mr {
+                4 => kernel::<4>(self, acts, i, j0, nr, &mut result),
+                3 => kernel::<3>(self, acts, i, j0, nr, &mut result),
+                2 => kernel::<2>(self, acts, i, j0, nr, &mut result),
+                _ => kernel::<1>(self, acts, i, j0, nr, &mut result),
+            }
+            for (r, row) in result.iter().enumerate().take(mr) {
+                for (c, v) in row.iter().enumerate().take(nr) {
+                    *out.add((i + r) * self.n + j0 + c) = *v;
+                }
+            }
+            i += mr;
+        }
+    }
+
+    /// The same arithmetic in plain scalar code, in f64: the test reference.
+    pub fn matmul_reference(&self, x: &[f32], m: usize) -> Vec<f32> {
+        let acts = QuantizedActs::new(x, m, self.k);
+        let kb = self.k / BLOCK;
+        let mut out = vec![0f32; m * self.n];
+        for i in 0..m {
+            for j in 0..self.n {
+                let mut acc = 0f64;
+                for b in 0..kb {
+                    let mut dot = 0i64;
+                    for e in 0..BLOCK {
+                        let a = acts.q[i * self.k + b * BLOCK + e] as i64;
+                        dot += a * self.qs[j * self.k + b * BLOCK + e] as i64;
+                    }
+                    acc += acts.d[i * kb + b] as f64 * self.d[j * kb + b] as f64 * dot as f64;
+                }
+                out[i * self.n + j] = acc as f32;
+            }
+        }
+        out
+    }
+}
+
+/// Activations quantized to Q8_0 blocks.
+struct QuantizedActs {
+    m: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+}
+
+impl QuantizedActs {
+    fn new(x: &[f32], m: usize, k: usize) -> Self {
+        let kb = k / BLOCK;
+        let mut q = vec![0i8; m * k];
+        let mut d = vec![0f32; m * kb];
+        for (b, (src, dst)) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).enumerate() {
+            let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            for (o, v) in dst.iter_mut().zip(src) {
+                *o = (v * inv).round() as i8;
+            }
+            d[b] = scale;
+        }
+        QuantizedActs { m, q, d }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn kernel<const MR: usize>(w: &Q8Matrix, a: &QuantizedActs, i0: usize, j0: usize, nr: usize, result: &mut [[f32; 4]; 4]) {
+    use std::arch::x86_64::*;
+    let k = w.k;
+    let kb = k / BLOCK;
+    // Rows past the matrix's end repeat its last row; their results are dropped.
+    let rows: [usize; 4] = std::array::from_fn(|c| j0 + c.min(nr - 1));
+    let mut acc = [[_mm256_setzero_ps(); 4]; MR];
+    for b in 0..kb {
+        let mut wv = [_mm256_setzero_si256(); 4];
+        let mut wabs = [_mm256_setzero_si256(); 4];
+        let mut dw = [_mm256_setzero_ps(); 4];
+        for c in 0..4 {
+            wv[c] = _mm256_loadu_si256(w.qs.as_ptr().add(rows[c] * k + b * BLOCK) as *const __m256i);
+            wabs[c] = _mm256_sign_epi8(wv[c], wv[c]);
+            dw[c] = _mm256_set1_ps(*w.d.get_unchecked(rows[c] * kb + b));
+        }
+        for r in 0..MR {
+            let av = _mm256_loadu_si256(a.q.as_ptr().add((i0 + r) * k + b * BLOCK) as *const __m256i);
+            let da = _mm256_set1_ps(*a.d.get_unchecked((i0 + r) * kb + b));
+            for c in 0..4 {
+                let signed = _mm256_sign_epi8(av, wv[c]);
+                let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs[c], signed);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(da, dw[c]), acc[r][c]);
+            }
+        }
+    }
+    for r in 0..MR {
+        for c in 0..4 {
+            // Horizontal sum of the 8 lanes.
+            let v = acc[r][c];
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            result[r][c] = _mm_cvtss_f32(s);
+        }
+    }
+}
+
+/// One weight row against the single activation row (decode).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn row_dot(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let k = w.k;
+    let kb = k / BLOCK;
+    let wq = w.qs.as_ptr().add(j * k);
+    let wd = w.d.as_ptr().add(j * kb);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for b in 0..kb {
+        let wv = _mm256_loadu_si256(wq.add(b * BLOCK) as *const __m256i);
+        let av = _mm256_loadu_si256(a.q.as_ptr().add(b * BLOCK) as *const __m256i);
+        let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+        let scale = _mm256_set1_ps(*wd.add(b) * *a.d.get_unchecked(b));
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[b & 1]);
+    }
+    let v = _mm256_add_ps(acc[0], acc[1]);
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Module};
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32 / 1000.0 - 1.0).collect()
+    }
+
+    #[test]
+    fn matches_scalar_reference_and_dequantized_matmul() {
+        if !supported() {
+            eprintln!("skipped: no AVX-512 VNNI on this CPU");
+            return;
+        }
+        let dev = Device::Cpu;
+        for (m, n, k) in [(1, 13, 640), (5, 64, 64), (9, 30, 256)] {
+            let w = Tensor::from_vec(data(n * k, 1), (n, k), &dev).unwrap();
+            let qt = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+            let mat = Q8Matrix::from_qtensor(&qt).unwrap().unwrap();
+            let x = data(m * k, 7);
+            let mut got = vec![0f32; m * n];
+            mat.matmul(&x, m, &mut got);
+            let want = mat.matmul_reference(&x, m);
+            for (g, r) in got.iter().zip(&want) {
+                assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{g} vs {r} (m {m} n {n} k {k})");
+            }
+            // Against f32 math on the dequantized weights: only activation rounding differs.
+            let xt = Tensor::from_vec(x.clone(), (m, k), &dev).unwrap();
+            let exact: Vec<f32> = xt.matmul(&qt.dequantize(&dev).unwrap().t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let norm = exact.iter().map(|v| v * v).sum::<f32>().sqrt();
+            let err = got.iter().zip(&exact).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+            assert!(err / norm < 0.01, "relative error {}", err / norm);
+            let via_candle: Vec<f32> =
+                candle_core::quantized::QMatMul::from_qtensor(qt).unwrap().forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let err_c = via_candle.iter().zip(&exact).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+            assert!(err <= 1.5 * err_c + 1e-6, "ours {err} vs candle {err_c}");
+        }
+    }
+}
+
+impl Q8Matrix {
+    /// Row `j` dequantized: an embedding lookup on a tied matrix.
+    pub fn row(&self, j: usize) -> Vec<f32> {
+        let kb = self.k / BLOCK;
+        (0..self.k).map(|e| self.qs[j * self.k + e] as f32 * self.d[j * kb + e / BLOCK]).collect()
+    }
+}
+
+/// A weight matrix: repacked Q8_0 where this CPU runs [`Q8Matrix`], candle's matmul otherwise.
+pub enum Linear {
+    Q8(Q8Matrix),
+    Candle(candle_core::quantized::QMatMul),
+}
+
+impl Linear {
+    /// `dequantize` forces f32 weights (reference tests).
+    pub fn new(t: QTensor, dequantize: bool) -> Result<Self> {
+        if dequantize {
+            return Ok(Linear::Candle(candle_core::quantized::QMatMul::Tensor(t.dequantize(&t.device())?)));
+        }
+        if supported() && t.device().is_cpu() {
+            if let Some(m) = Q8Matrix::from_qtensor(&t)? {
+                return Ok(Linear::Q8(m));
+            }
+        }
+        candle_core::quantized::QMatMul::from_qtensor(t).map(Linear::Candle)
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Linear::Q8(m) => m.forward(x),
+            Linear::Candle(m) => candle_core::Module::forward(m, x),
+        }
+    }
+}
