@@ -29,14 +29,24 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-pub fn bench(margs: &ModelArgs, prompt_tokens: usize, gen_tokens: usize, depth: usize, kv: &KvArgs, json: bool) -> Result<()> {
+pub fn bench(
+    margs: &ModelArgs,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    depth: usize,
+    kv: &KvArgs,
+    json: bool,
+) -> Result<()> {
     let scheme = scheme(&kv.kv, kv.kv_start)?;
     if prompt_tokens == 0 || gen_tokens == 0 {
         bail!("--prompt-tokens and --gen-tokens must be at least 1");
     }
     let (model, tok) = load(margs)?;
     if depth + gen_tokens > model.context_length() || prompt_tokens > model.context_length() {
-        bail!("--depth + --gen-tokens and --prompt-tokens must fit the model's context of {}", model.context_length());
+        bail!(
+            "--depth + --gen-tokens and --prompt-tokens must fit the model's context of {}",
+            model.context_length()
+        );
     }
     let bos = tok.special().bos.unwrap_or(2);
     // Prefill: one fresh cache, the whole prompt in default-size chunks.
@@ -67,10 +77,20 @@ pub fn bench(margs: &ModelArgs, prompt_tokens: usize, gen_tokens: usize, depth: 
             })
         );
     } else {
-        println!("model {} | kv {} | threads {}", model.architecture(), kv.kv, candle_core::utils::get_num_threads());
+        println!(
+            "model {} | kv {} | threads {}",
+            model.architecture(),
+            kv.kv,
+            candle_core::utils::get_num_threads()
+        );
         println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} tok/s");
         println!("decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth})");
-        println!("peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated", rss as f64 / 1048576.0, cache.bytes_per_token(), cache.allocated_bytes() as f64 / 1048576.0);
+        println!(
+            "peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated",
+            rss as f64 / 1048576.0,
+            cache.bytes_per_token(),
+            cache.allocated_bytes() as f64 / 1048576.0
+        );
     }
     Ok(())
 }

@@ -15,7 +15,11 @@ use tessera_models::{GgufFile, LoadOptions, Model, Tokenizer};
 
 fn fetch_with_progress(force: bool) -> Result<PathBuf> {
     let bar = ProgressBar::new(store::DEFAULT_MODEL_BYTES);
-    bar.set_style(ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes}").unwrap().progress_chars("=> "));
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes}")
+            .unwrap()
+            .progress_chars("=> "),
+    );
     bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
     let mut progress = |e: FetchEvent| match e {
         FetchEvent::Step(s) => bar.println(format!("tessera: {s}")),
@@ -24,7 +28,11 @@ fn fetch_with_progress(force: bool) -> Result<PathBuf> {
             bar.set_position(done)
         }
     };
-    let path = if force { store::fetch_default_model(&mut progress)? } else { store::ensure_default_model(&mut progress)? };
+    let path = if force {
+        store::fetch_default_model(&mut progress)?
+    } else {
+        store::ensure_default_model(&mut progress)?
+    };
     bar.finish_and_clear();
     Ok(path)
 }
@@ -38,7 +46,10 @@ pub fn model_path(args: &ModelArgs) -> Result<PathBuf> {
 
 pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     let path = model_path(args)?;
-    let options = LoadOptions { reencode_q5_0: !args.keep_q5_0, ..Default::default() };
+    let options = LoadOptions {
+        reencode_q5_0: !args.keep_q5_0,
+        ..Default::default()
+    };
     Ok(Model::load(&path, &options, &Device::Cpu)?)
 }
 
@@ -99,7 +110,11 @@ pub fn generate(
     let t0 = Instant::now();
     let (model, tok) = load(margs)?;
     let load_time = t0.elapsed();
-    let text = if chat_template { user_turn(prompt) } else { prompt.to_string() };
+    let text = if chat_template {
+        user_turn(prompt)
+    } else {
+        prompt.to_string()
+    };
     let ids = tok.encode(&text, true)?;
     let mut session = Session::new(&model, &scheme, prefill_chunk)?;
     let mut gen = Generation::new(&mut session, &ids, sampler, max_tokens, stop_tokens(&tok))?;
@@ -128,14 +143,23 @@ pub fn generate(
     Ok(())
 }
 
-pub fn chat(margs: &ModelArgs, max_tokens: usize, sargs: &SampleArgs, kv: &KvArgs, prefill_chunk: usize) -> Result<()> {
+pub fn chat(
+    margs: &ModelArgs,
+    max_tokens: usize,
+    sargs: &SampleArgs,
+    kv: &KvArgs,
+    prefill_chunk: usize,
+) -> Result<()> {
     let scheme = scheme(&kv.kv, kv.kv_start)?;
     let sampler = sampler(sargs)?;
     let (model, tok) = load(margs)?;
     let mut session = Session::new(&model, &scheme, prefill_chunk)?;
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
-    eprintln!("tessera chat ({}; /reset starts over, /quit or Ctrl-D leaves)", model.architecture());
+    eprintln!(
+        "tessera chat ({}; /reset starts over, /quit or Ctrl-D leaves)",
+        model.architecture()
+    );
     loop {
         write!(out, "> ")?;
         out.flush()?;
@@ -157,7 +181,13 @@ pub fn chat(margs: &ModelArgs, max_tokens: usize, sargs: &SampleArgs, kv: &KvArg
         }
         let first = session.tokens().is_empty();
         let ids = tok.encode(&user_turn(line), first)?;
-        let mut gen = match Generation::new(&mut session, &ids, sampler.clone(), max_tokens, stop_tokens(&tok)) {
+        let mut gen = match Generation::new(
+            &mut session,
+            &ids,
+            sampler.clone(),
+            max_tokens,
+            stop_tokens(&tok),
+        ) {
             Ok(g) => g,
             Err(e) => {
                 eprintln!("error: {e} (try /reset)");
@@ -200,7 +230,8 @@ pub fn eval(
     if schemes.is_empty() {
         bail!("--kv lists no scheme");
     }
-    let body = std::fs::read_to_string(text).with_context(|| format!("cannot read text file {}", text.display()))?;
+    let body = std::fs::read_to_string(text)
+        .with_context(|| format!("cannot read text file {}", text.display()))?;
     let (model, tok) = load(margs)?;
     let ids = tok.encode(&body, true)?;
     let bos = tok.special().bos.unwrap_or(ids[0]);
@@ -221,7 +252,10 @@ pub fn eval(
             .collect();
         println!("{}", serde_json::json!({ "schemes": entries }));
     } else {
-        println!("{:<16} {:>10} {:>12} {:>10} {:>14} {:>8}", "kv", "ppl", "kl_vs_bf16", "top1", "kv_bytes/tok", "scored");
+        println!(
+            "{:<16} {:>10} {:>12} {:>10} {:>14} {:>8}",
+            "kv", "ppl", "kl_vs_bf16", "top1", "kv_bytes/tok", "scored"
+        );
         for r in &results {
             let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
             println!(
@@ -252,7 +286,11 @@ pub fn info(model: Option<&Path>) -> Result<()> {
     let g = GgufFile::open(&path)?;
     let arch = g.architecture()?;
     let key = |k: &str| format!("{arch}.{k}");
-    let num = |k: &str| g.u32(&key(k)).map(|v| v.to_string()).unwrap_or_else(|_| "?".into());
+    let num = |k: &str| {
+        g.u32(&key(k))
+            .map(|v| v.to_string())
+            .unwrap_or_else(|_| "?".into())
+    };
     println!("file:          {}", path.display());
     println!("architecture:  {arch}");
     if let Ok(name) = g.string("general.name") {
@@ -260,15 +298,28 @@ pub fn info(model: Option<&Path>) -> Result<()> {
     }
     println!("layers:        {}", num("block_count"));
     println!("hidden:        {}", num("embedding_length"));
-    println!("heads:         {} query, {} kv", num("attention.head_count"), num("attention.head_count_kv"));
+    println!(
+        "heads:         {} query, {} kv",
+        num("attention.head_count"),
+        num("attention.head_count_kv")
+    );
     println!("head_dim:      {}", num("attention.key_length"));
     println!("ffn:           {}", num("feed_forward_length"));
     println!("context:       {}", num("context_length"));
     if let Ok(w) = g.u32(&key("attention.sliding_window")) {
         println!("sliding window: {w}");
     }
-    println!("vocab:         {}", g.array("tokenizer.ggml.tokens").map(|a| a.len().to_string()).unwrap_or_else(|_| "?".into()));
-    let types: Vec<String> = g.tensor_types().iter().map(|(t, n)| format!("{t} {n}")).collect();
+    println!(
+        "vocab:         {}",
+        g.array("tokenizer.ggml.tokens")
+            .map(|a| a.len().to_string())
+            .unwrap_or_else(|_| "?".into())
+    );
+    let types: Vec<String> = g
+        .tensor_types()
+        .iter()
+        .map(|(t, n)| format!("{t} {n}"))
+        .collect();
     println!("tensor types:  {}", types.join(", "));
     Ok(())
 }

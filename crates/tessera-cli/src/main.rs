@@ -8,7 +8,11 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "tessera", version, about = "Tessera: LLM inference with composable KV caches (GGUF models, CPU)")]
+#[command(
+    name = "tessera",
+    version,
+    about = "Tessera: LLM inference with composable KV caches (GGUF models, CPU)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -67,7 +71,11 @@ enum Command {
         #[command(flatten)]
         model: ModelArgs,
         /// The prompt text.
-        #[arg(long, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
+        #[arg(
+            long,
+            required_unless_present = "prompt_file",
+            conflicts_with = "prompt_file"
+        )]
         prompt: Option<String>,
         /// Read the prompt from a file instead.
         #[arg(long)]
@@ -166,21 +174,66 @@ enum ModelAction {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Generate { model, prompt, prompt_file, max_tokens, sample, kv, prefill_chunk, chat_template } => {
+        Command::Generate {
+            model,
+            prompt,
+            prompt_file,
+            max_tokens,
+            sample,
+            kv,
+            prefill_chunk,
+            chat_template,
+        } => {
             let prompt = match (prompt, prompt_file) {
                 (Some(p), _) => p,
-                (None, Some(f)) => std::fs::read_to_string(&f).with_context(|| format!("cannot read prompt file {}", f.display()))?,
+                (None, Some(f)) => std::fs::read_to_string(&f)
+                    .with_context(|| format!("cannot read prompt file {}", f.display()))?,
                 (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
             };
-            commands::generate(&model, &prompt, max_tokens, &sample, &kv, prefill_chunk, chat_template)
+            commands::generate(
+                &model,
+                &prompt,
+                max_tokens,
+                &sample,
+                &kv,
+                prefill_chunk,
+                chat_template,
+            )
         }
-        Command::Chat { model, max_tokens, sample, kv, prefill_chunk } => commands::chat(&model, max_tokens, &sample, &kv, prefill_chunk),
-        Command::Eval { model, text, kv, kv_start, ctx, chunks, prefill, tokens, json } => {
-            commands::eval(&model, &text, &kv, kv_start, ctx, chunks, prefill, tokens, json)
-        }
-        Command::Bench { model, prompt_tokens, gen_tokens, depth, kv, json } => bench::bench(&model, prompt_tokens, gen_tokens, depth, &kv, json),
-        Command::Model { action: ModelAction::Fetch } => commands::fetch(),
-        Command::Model { action: ModelAction::Info { model } } => commands::info(model.as_deref()),
+        Command::Chat {
+            model,
+            max_tokens,
+            sample,
+            kv,
+            prefill_chunk,
+        } => commands::chat(&model, max_tokens, &sample, &kv, prefill_chunk),
+        Command::Eval {
+            model,
+            text,
+            kv,
+            kv_start,
+            ctx,
+            chunks,
+            prefill,
+            tokens,
+            json,
+        } => commands::eval(
+            &model, &text, &kv, kv_start, ctx, chunks, prefill, tokens, json,
+        ),
+        Command::Bench {
+            model,
+            prompt_tokens,
+            gen_tokens,
+            depth,
+            kv,
+            json,
+        } => bench::bench(&model, prompt_tokens, gen_tokens, depth, &kv, json),
+        Command::Model {
+            action: ModelAction::Fetch,
+        } => commands::fetch(),
+        Command::Model {
+            action: ModelAction::Info { model },
+        } => commands::info(model.as_deref()),
     }
 }
 

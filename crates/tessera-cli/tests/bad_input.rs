@@ -4,8 +4,15 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn tessera(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("runs");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .output()
+        .expect("runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -15,7 +22,9 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 fn model() -> PathBuf {
-    std::env::var_os("TESSERA_MODEL").map(PathBuf::from).unwrap_or_else(tessera_engine::store::default_model_path)
+    std::env::var_os("TESSERA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(tessera_engine::store::default_model_path)
 }
 
 fn assert_clean_error(code: i32, stderr: &str, needle: &str) {
@@ -28,7 +37,13 @@ fn assert_clean_error(code: i32, stderr: &str, needle: &str) {
 
 #[test]
 fn missing_model_file() {
-    let (code, _, err) = tessera(&["generate", "--model", "/nonexistent/m.gguf", "--prompt", "hi"]);
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        "/nonexistent/m.gguf",
+        "--prompt",
+        "hi",
+    ]);
     assert_clean_error(code, &err, "not found");
 }
 
@@ -36,7 +51,13 @@ fn missing_model_file() {
 fn corrupt_model_file() {
     let path = scratch("corrupt.gguf");
     std::fs::write(&path, b"this is not a gguf file at all, just text").unwrap();
-    let (code, _, err) = tessera(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_clean_error(code, &err, "not a readable GGUF");
 }
 
@@ -45,7 +66,13 @@ fn truncated_model_file() {
     let bytes = std::fs::read(model()).expect("default model present (tessera model fetch)");
     let path = scratch("truncated.gguf");
     std::fs::write(&path, &bytes[..bytes.len() / 3]).unwrap();
-    let (code, _, err) = tessera(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_clean_error(code, &err, "truncated");
     let path = scratch("header-cut.gguf");
     std::fs::write(&path, &bytes[..4096]).unwrap();
@@ -58,18 +85,42 @@ fn unknown_architecture() {
     use candle_core::quantized::gguf_file::{write, Value};
     use candle_core::quantized::{GgmlDType, QTensor};
     let path = scratch("mamba.gguf");
-    let t = QTensor::quantize(&candle_core::Tensor::zeros((4, 32), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(), GgmlDType::F32).unwrap();
+    let t = QTensor::quantize(
+        &candle_core::Tensor::zeros((4, 32), candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap(),
+        GgmlDType::F32,
+    )
+    .unwrap();
     let arch = Value::String("mamba".into());
     let mut f = std::fs::File::create(&path).unwrap();
-    write(&mut f, &[("general.architecture", &arch)], &[("token_embd.weight", &t)]).unwrap();
+    write(
+        &mut f,
+        &[("general.architecture", &arch)],
+        &[("token_embd.weight", &t)],
+    )
+    .unwrap();
     drop(f);
-    let (code, _, err) = tessera(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
     assert_clean_error(code, &err, "unsupported model architecture `mamba`");
 }
 
 #[test]
 fn unknown_kv_scheme() {
-    let (code, _, err) = tessera(&["generate", "--model", model().to_str().unwrap(), "--prompt", "hi", "--kv", "q3_weird"]);
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        model().to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--kv",
+        "q3_weird",
+    ]);
     assert_clean_error(code, &err, "unknown KV scheme `q3_weird`");
 }
 
@@ -77,19 +128,43 @@ fn unknown_kv_scheme() {
 fn prompt_longer_than_context() {
     let path = scratch("long-prompt.txt");
     std::fs::write(&path, "word ".repeat(40_000)).unwrap();
-    let (code, _, err) = tessera(&["generate", "--model", model().to_str().unwrap(), "--prompt-file", path.to_str().unwrap(), "--max-tokens", "1"]);
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        model().to_str().unwrap(),
+        "--prompt-file",
+        path.to_str().unwrap(),
+        "--max-tokens",
+        "1",
+    ]);
     assert_clean_error(code, &err, "context is 32768");
 }
 
 #[test]
 fn bad_sampling_settings() {
-    let (code, _, err) = tessera(&["generate", "--model", model().to_str().unwrap(), "--prompt", "hi", "--top-p", "1.5"]);
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        model().to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--top-p",
+        "1.5",
+    ]);
     assert_clean_error(code, &err, "--top-p");
 }
 
 #[test]
 fn generate_streams_text_and_reports_timing() {
-    let (code, out, err) = tessera(&["generate", "--model", model().to_str().unwrap(), "--prompt", "The capital of France is", "--max-tokens", "8"]);
+    let (code, out, err) = tessera(&[
+        "generate",
+        "--model",
+        model().to_str().unwrap(),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(out.trim().len() > 5, "generated text: {out:?}");
     assert!(err.contains("tok/s"), "{err}");
@@ -98,11 +173,25 @@ fn generate_streams_text_and_reports_timing() {
 #[test]
 fn eval_json_has_the_documented_shape() {
     let text = scratch("text.txt");
-    let corpus = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/corpus/pride-and-prejudice.txt")).unwrap();
+    let corpus = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/corpus/pride-and-prejudice.txt"),
+    )
+    .unwrap();
     std::fs::write(&text, corpus.chars().take(3000).collect::<String>()).unwrap();
     let (code, out, err) = tessera(&[
-        "eval", "--model", model().to_str().unwrap(), "--text", text.to_str().unwrap(),
-        "--kv", "bf16,f32", "--prefill", "64", "--tokens", "16", "--json",
+        "eval",
+        "--model",
+        model().to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--kv",
+        "bf16,f32",
+        "--prefill",
+        "64",
+        "--tokens",
+        "16",
+        "--json",
     ]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();

@@ -23,11 +23,22 @@ pub fn generate_batch_greedy(
     }
     let longest = prompts.iter().map(|p| p.len()).max().unwrap();
     if longest + max_tokens > model.context_length() {
-        return Err(EngineError::PromptTooLong { prompt: longest + max_tokens, context: model.context_length() });
+        return Err(EngineError::PromptTooLong {
+            prompt: longest + max_tokens,
+            context: model.context_length(),
+        });
     }
     let pads: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
-    let rows: Vec<Vec<u32>> =
-        prompts.iter().zip(&pads).map(|(p, &pad)| std::iter::repeat(pad_token).take(pad).chain(p.iter().copied()).collect()).collect();
+    let rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&pads)
+        .map(|(p, &pad)| {
+            std::iter::repeat(pad_token)
+                .take(pad)
+                .chain(p.iter().copied())
+                .collect()
+        })
+        .collect();
     let mut cache = KvCache::new(&model.layer_specs(), scheme, pads);
     let device = model.device();
     let b = prompts.len();
@@ -35,7 +46,10 @@ pub fn generate_batch_greedy(
     let mut start = 0;
     while start < longest {
         let n = prefill_chunk.min(longest - start);
-        let chunk: Vec<u32> = rows.iter().flat_map(|r| r[start..start + n].iter().copied()).collect();
+        let chunk: Vec<u32> = rows
+            .iter()
+            .flat_map(|r| r[start..start + n].iter().copied())
+            .collect();
         let ids = Tensor::from_vec(chunk, (b, n), device)?;
         logits = Some(model.forward(&ids, &mut cache, LogitsMode::Last)?);
         start += n;

@@ -44,7 +44,11 @@ impl Tally {
     fn add(&mut self, logits: &[f32], reference: &[f64], target: u32) {
         let lp = log_softmax(logits);
         self.nll -= lp[target as usize];
-        self.kl += reference.iter().zip(&lp).map(|(&r, &s)| if r > -700.0 { r.exp() * (r - s) } else { 0.0 }).sum::<f64>();
+        self.kl += reference
+            .iter()
+            .zip(&lp)
+            .map(|(&r, &s)| if r > -700.0 { r.exp() * (r - s) } else { 0.0 })
+            .sum::<f64>();
         if argmax64(&lp) == argmax64(reference) {
             self.agree += 1;
         }
@@ -63,7 +67,13 @@ fn argmax64(v: &[f64]) -> usize {
 }
 
 /// Evaluates each `(name, scheme)` on `tokens` (the text's tokens, BOS first).
-pub fn evaluate(model: &Model, tokens: &[u32], schemes: &[(String, KvScheme)], mode: EvalMode, bos: u32) -> Result<Vec<SchemeResult>, EngineError> {
+pub fn evaluate(
+    model: &Model,
+    tokens: &[u32],
+    schemes: &[(String, KvScheme)],
+    mode: EvalMode,
+    bos: u32,
+) -> Result<Vec<SchemeResult>, EngineError> {
     let reference = KvScheme::parse("bf16")?;
     // The bf16 reference runs first; schemes equal to it reuse its logits.
     let mut runs: Vec<KvScheme> = vec![reference.clone()];
@@ -88,7 +98,10 @@ pub fn evaluate(model: &Model, tokens: &[u32], schemes: &[(String, KvScheme)], m
             let available = tokens.len() / ctx;
             let n_chunks = chunks.map_or(available, |c| c.min(available));
             if n_chunks == 0 {
-                return Err(EngineError::TextTooShort { have: tokens.len(), need: ctx });
+                return Err(EngineError::TextTooShort {
+                    have: tokens.len(),
+                    need: ctx,
+                });
             }
             let half = ctx / 2;
             for c in 0..n_chunks {
@@ -111,15 +124,29 @@ pub fn evaluate(model: &Model, tokens: &[u32], schemes: &[(String, KvScheme)], m
                 }
             }
         }
-        EvalMode::Decode { prefill, tokens: count } => {
+        EvalMode::Decode {
+            prefill,
+            tokens: count,
+        } => {
             if prefill == 0 || count == 0 {
-                return Err(EngineError::Invalid("--prefill and --tokens must be at least 1".into()));
+                return Err(EngineError::Invalid(
+                    "--prefill and --tokens must be at least 1".into(),
+                ));
             }
             if tokens.len() < prefill + count {
-                return Err(EngineError::TextTooShort { have: tokens.len(), need: prefill + count });
+                return Err(EngineError::TextTooShort {
+                    have: tokens.len(),
+                    need: prefill + count,
+                });
             }
-            let mut sessions: Vec<Session> = runs.iter().map(|s| Session::new(model, s, DEFAULT_PREFILL_CHUNK)).collect::<Result<_, _>>()?;
-            let mut logits: Vec<Vec<f32>> = sessions.iter_mut().map(|s| s.feed(&tokens[..prefill])).collect::<Result<_, _>>()?;
+            let mut sessions: Vec<Session> = runs
+                .iter()
+                .map(|s| Session::new(model, s, DEFAULT_PREFILL_CHUNK))
+                .collect::<Result<_, _>>()?;
+            let mut logits: Vec<Vec<f32>> = sessions
+                .iter_mut()
+                .map(|s| s.feed(&tokens[..prefill]))
+                .collect::<Result<_, _>>()?;
             for t in 0..count {
                 let target = tokens[prefill + t];
                 let ref_lp = log_softmax(&logits[0]);

@@ -108,10 +108,17 @@ pub struct TextStream {
 
 impl TextStream {
     pub fn new() -> Self {
-        TextStream { ids: Vec::new(), printed: 0 }
+        TextStream {
+            ids: Vec::new(),
+            printed: 0,
+        }
     }
 
-    pub fn push(&mut self, tokenizer: &tessera_models::Tokenizer, id: u32) -> Result<String, EngineError> {
+    pub fn push(
+        &mut self,
+        tokenizer: &tessera_models::Tokenizer,
+        id: u32,
+    ) -> Result<String, EngineError> {
         self.ids.push(id);
         let text = tokenizer.decode(&self.ids)?;
         if text.ends_with('\u{FFFD}') || text.len() < self.printed {

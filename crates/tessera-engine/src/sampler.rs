@@ -61,7 +61,11 @@ impl Sampler {
             seen.dedup();
             for id in seen {
                 if let Some(l) = logits.get_mut(id as usize) {
-                    *l = if *l > 0.0 { *l / c.repetition_penalty } else { *l * c.repetition_penalty };
+                    *l = if *l > 0.0 {
+                        *l / c.repetition_penalty
+                    } else {
+                        *l * c.repetition_penalty
+                    };
                 }
             }
         }
@@ -72,12 +76,17 @@ impl Sampler {
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         let k = c.top_k.unwrap_or(logits.len()).clamp(1, logits.len());
         if k < idx.len() {
-            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+            idx.select_nth_unstable_by(k - 1, |&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize])
+            });
             idx.truncate(k);
         }
         idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
         let max = logits[idx[0] as usize];
-        let mut probs: Vec<f32> = idx.iter().map(|&i| ((logits[i as usize] - max) / c.temperature).exp()).collect();
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((logits[i as usize] - max) / c.temperature).exp())
+            .collect();
         let total: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
         let mut keep = probs.len();
@@ -124,32 +133,65 @@ mod tests {
     #[test]
     fn greedy_picks_argmax_and_penalty_changes_it() {
         let logits = [0.1, 2.0, 1.9, -1.0];
-        assert_eq!(Sampler::new(SamplerConfig::default()).sample(&logits, &[]), 1);
-        let cfg = SamplerConfig { repetition_penalty: 1.5, ..Default::default() };
+        assert_eq!(
+            Sampler::new(SamplerConfig::default()).sample(&logits, &[]),
+            1
+        );
+        let cfg = SamplerConfig {
+            repetition_penalty: 1.5,
+            ..Default::default()
+        };
         assert_eq!(Sampler::new(cfg).sample(&logits, &[1]), 2);
     }
 
     #[test]
     fn top_k_one_is_greedy_and_seeds_reproduce() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 17) as f32 * 0.3).collect();
-        let cfg = SamplerConfig { temperature: 1.0, top_k: Some(1), ..Default::default() };
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            top_k: Some(1),
+            ..Default::default()
+        };
         assert_eq!(Sampler::new(cfg).sample(&logits, &[]), argmax(&logits));
-        let cfg = SamplerConfig { temperature: 1.0, seed: 7, ..Default::default() };
-        let a: Vec<u32> = { let mut s = Sampler::new(cfg.clone()); (0..20).map(|_| s.sample(&logits, &[])).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(cfg); (0..20).map(|_| s.sample(&logits, &[])).collect() };
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            seed: 7,
+            ..Default::default()
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(cfg.clone());
+            (0..20).map(|_| s.sample(&logits, &[])).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(cfg);
+            (0..20).map(|_| s.sample(&logits, &[])).collect()
+        };
         assert_eq!(a, b);
-        assert!(a.iter().any(|&t| t != a[0]), "temperature 1 should not always pick one token");
+        assert!(
+            a.iter().any(|&t| t != a[0]),
+            "temperature 1 should not always pick one token"
+        );
     }
 
     #[test]
     fn min_p_and_top_p_cut_the_tail() {
         let logits = [10.0, 9.9, 0.0, -5.0];
-        let cfg = SamplerConfig { temperature: 1.0, min_p: Some(0.5), seed: 3, ..Default::default() };
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            min_p: Some(0.5),
+            seed: 3,
+            ..Default::default()
+        };
         let mut s = Sampler::new(cfg);
         for _ in 0..50 {
             assert!(s.sample(&logits, &[]) < 2);
         }
-        let cfg = SamplerConfig { temperature: 1.0, top_p: Some(0.4), seed: 3, ..Default::default() };
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            top_p: Some(0.4),
+            seed: 3,
+            ..Default::default()
+        };
         let mut s = Sampler::new(cfg);
         for _ in 0..50 {
             assert_eq!(s.sample(&logits, &[]), 0);

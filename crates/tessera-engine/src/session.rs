@@ -22,9 +22,15 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
-    pub fn new(model: &'m Model, scheme: &KvScheme, prefill_chunk: usize) -> Result<Self, EngineError> {
+    pub fn new(
+        model: &'m Model,
+        scheme: &KvScheme,
+        prefill_chunk: usize,
+    ) -> Result<Self, EngineError> {
         if prefill_chunk == 0 {
-            return Err(EngineError::Invalid("--prefill-chunk must be at least 1".into()));
+            return Err(EngineError::Invalid(
+                "--prefill-chunk must be at least 1".into(),
+            ));
         }
         Ok(Session {
             model,
@@ -47,7 +53,9 @@ impl<'m> Session<'m> {
     }
 
     pub fn context_left(&self) -> usize {
-        self.model.context_length().saturating_sub(self.tokens.len())
+        self.model
+            .context_length()
+            .saturating_sub(self.tokens.len())
     }
 
     /// Feeds `tokens` through the model in prefill chunks and returns the logits of the
@@ -57,7 +65,10 @@ impl<'m> Session<'m> {
             return Err(EngineError::EmptyPrompt);
         }
         if tokens.len() > self.context_left() {
-            return Err(EngineError::PromptTooLong { prompt: self.tokens.len() + tokens.len(), context: self.model.context_length() });
+            return Err(EngineError::PromptTooLong {
+                prompt: self.tokens.len() + tokens.len(),
+                context: self.model.context_length(),
+            });
         }
         let start = Instant::now();
         let mut last = None;
@@ -91,4 +102,3 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let log_z = max + sum.ln();
     logits.iter().map(|&l| l as f64 - log_z).collect()
 }
-

@@ -33,7 +33,13 @@ fn candle_greedy(weights: &mut ModelWeights, prompt: &[u32]) -> Vec<(u32, Vec<f3
     let mut input = Tensor::new(prompt, &device).unwrap().unsqueeze(0).unwrap();
     let mut pos = 0;
     for _ in 0..STEPS {
-        let logits: Vec<f32> = weights.forward(&input, pos).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let logits: Vec<f32> = weights
+            .forward(&input, pos)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         pos += input.dims()[1];
         let next = tessera_engine::argmax(&logits);
         steps.push((next, logits));
@@ -45,7 +51,11 @@ fn candle_greedy(weights: &mut ModelWeights, prompt: &[u32]) -> Vec<(u32, Vec<f3
 #[test]
 fn greedy_tokens_match_candle_quantized_gemma3() {
     std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-    let (model, tok) = common::load_with(LoadOptions { dequantize: true, mlp_activation: MlpActivation::Silu, ..Default::default() });
+    let (model, tok) = common::load_with(LoadOptions {
+        dequantize: true,
+        mlp_activation: MlpActivation::Silu,
+        ..Default::default()
+    });
     let path = common::model_path();
     let mut file = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
@@ -53,7 +63,11 @@ fn greedy_tokens_match_candle_quantized_gemma3() {
 
     let corpus = common::corpus();
     let long: String = corpus.chars().skip(5000).take(1600).collect();
-    let prompts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", long.as_str()];
+    let prompts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        long.as_str(),
+    ];
     let f32_cache = KvScheme::parse("f32").unwrap();
     let mut exact_prompts = 0;
     for prompt in prompts {
@@ -63,10 +77,11 @@ fn greedy_tokens_match_candle_quantized_gemma3() {
 
         // Our greedy run, free-running as a user would see it.
         let mut session = Session::new(&model, &f32_cache, 512).unwrap();
-        let ours: Vec<u32> = Generation::new(&mut session, &ids, SamplerConfig::default(), STEPS, vec![])
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
+        let ours: Vec<u32> =
+            Generation::new(&mut session, &ids, SamplerConfig::default(), STEPS, vec![])
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap();
         let candle_tokens: Vec<u32> = expected.iter().map(|(t, _)| *t).collect();
         if ours == candle_tokens {
             exact_prompts += 1;
@@ -77,12 +92,21 @@ fn greedy_tokens_match_candle_quantized_gemma3() {
         let mut logits = session.feed(&ids).unwrap();
         for (step, (token, reference)) in expected.iter().enumerate() {
             let scale = reference.iter().fold(0f32, |a, b| a.max(b.abs()));
-            let diff = logits.iter().zip(reference).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-            assert!(diff / scale < TOLERANCE, "step {step} of {prompt:.30?}: logits differ by {diff} of {scale}");
+            let diff = logits
+                .iter()
+                .zip(reference)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                diff / scale < TOLERANCE,
+                "step {step} of {prompt:.30?}: logits differ by {diff} of {scale}"
+            );
             logits = session.feed(&[*token]).unwrap();
         }
     }
-    assert_eq!(exact_prompts, 3, "free-running greedy continuations differ from candle's");
+    assert_eq!(
+        exact_prompts, 3,
+        "free-running greedy continuations differ from candle's"
+    );
 }
 
 #[test]
@@ -93,9 +117,15 @@ fn with_gemma_gelu_the_continuation_differs_from_candle_silu() {
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
     let mut weights = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
     let ids = tok.encode("The capital of France is", true).unwrap();
-    let candle: Vec<u32> = candle_greedy(&mut weights, &ids).into_iter().map(|(t, _)| t).collect();
+    let candle: Vec<u32> = candle_greedy(&mut weights, &ids)
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
     let mut session = Session::new(&model, &KvScheme::parse("f32").unwrap(), 512).unwrap();
     let ours: Vec<u32> =
-        Generation::new(&mut session, &ids, SamplerConfig::default(), STEPS, vec![]).unwrap().collect::<Result<_, _>>().unwrap();
+        Generation::new(&mut session, &ids, SamplerConfig::default(), STEPS, vec![])
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
     assert_ne!(ours, candle);
 }

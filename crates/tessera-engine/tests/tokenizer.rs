@@ -6,7 +6,10 @@ mod common;
 fn tokenizer_matches_known_ids_and_round_trips() {
     let (_, tok) = common::load(true);
     // Agreed by two independent builders (../shared/reference/gemma3-270m.md).
-    assert_eq!(tok.encode("The capital of France is", true).unwrap(), vec![2, 818, 5279, 529, 7001, 563]);
+    assert_eq!(
+        tok.encode("The capital of France is", true).unwrap(),
+        vec![2, 818, 5279, 529, 7001, 563]
+    );
     let texts = [
         "Hello, world!",
         "  two leading spaces and a trailing one ",
@@ -19,13 +22,21 @@ fn tokenizer_matches_known_ids_and_round_trips() {
     ];
     for text in texts {
         let ids = tok.encode(text, false).unwrap();
-        assert_eq!(tok.decode(&ids).unwrap(), text, "round trip of {text:?} via {ids:?}");
+        assert_eq!(
+            tok.decode(&ids).unwrap(),
+            text,
+            "round trip of {text:?} via {ids:?}"
+        );
     }
     let corpus = common::corpus();
     let slice: String = corpus.chars().take(20_000).collect();
     let ids = tok.encode(&slice, false).unwrap();
     assert_eq!(tok.decode(&ids).unwrap(), slice);
-    assert!(ids.len() > 3000 && ids.len() < 7000, "{} tokens for 20k chars of English", ids.len());
+    assert!(
+        ids.len() > 3000 && ids.len() < 7000,
+        "{} tokens for 20k chars of English",
+        ids.len()
+    );
 }
 
 #[test]
@@ -33,7 +44,9 @@ fn chat_markers_are_single_control_tokens() {
     let (_, tok) = common::load(true);
     let special = tok.special();
     let (start, end) = (special.start_of_turn.unwrap(), special.end_of_turn.unwrap());
-    let ids = tok.encode("<start_of_turn>user\nHi<end_of_turn>\n", false).unwrap();
+    let ids = tok
+        .encode("<start_of_turn>user\nHi<end_of_turn>\n", false)
+        .unwrap();
     assert_eq!(ids.first(), Some(&start));
     assert!(ids.contains(&end));
     // Decoding drops control tokens and keeps the text between them.

@@ -1,5 +1,6 @@
 //! Layer caches: one codec's planes, one retention policy and the rows, composed.
 
+use crate::decode::RowSlots;
 use crate::plain::PlainPlanes;
 use crate::rows::Rows;
 use crate::{AttentionRead, Codec, KvError, KvScheme, LayerSpec, Retention};
@@ -35,7 +36,12 @@ impl LayerCache {
         let planes = match codec {
             Codec::Plain(dtype) => PlainPlanes::new(dtype),
         };
-        LayerCache { layer, spec, planes, rows: Rows::new(left_pad) }
+        LayerCache {
+            layer,
+            spec,
+            planes,
+            rows: Rows::new(left_pad),
+        }
     }
 
     pub fn spec(&self) -> &LayerSpec {
@@ -75,6 +81,9 @@ impl LayerCache {
         self.check(k, v)?;
         let n = k.dims()[2];
         let start = self.rows.end();
+        if n == 1 {
+            return self.append_one(k, v);
+        }
         let device = k.device().clone();
         let (keys, values, positions, window) = match self.spec.retention {
             Retention::Full => {
@@ -91,20 +100,69 @@ impl LayerCache {
                 let new_k = self.planes.as_stored(k)?;
                 let new_v = self.planes.as_stored(v)?;
                 let (keys, values) = match (old_k, old_v) {
-                    (Some(ok), Some(ov)) => (Tensor::cat(&[&ok, &new_k], 2)?, Tensor::cat(&[&ov, &new_v], 2)?),
+                    (Some(ok), Some(ov)) => (
+                        Tensor::cat(&[&ok, &new_k], 2)?,
+                        Tensor::cat(&[&ov, &new_v], 2)?,
+                    ),
                     _ => (new_k, new_v),
                 };
                 self.write_ring(start, k, v, size)?;
-                (keys, values, (start - kept..start + n).collect(), Some(size))
+                (
+                    keys,
+                    values,
+                    (start - kept..start + n).collect(),
+                    Some(size),
+                )
             }
         };
         let mask = self.rows.mask(n, &positions, window, &device)?;
         self.rows.advance(n);
-        Ok(AttentionRead::new(keys, values, mask))
+        Ok(AttentionRead::dense(keys, values, mask))
+    }
+
+    /// One position per row: store it, then read straight from the planes (fused decode).
+    fn append_one(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
+        let pos = self.rows.end();
+        let (first, slot_of, size) = match self.spec.retention {
+            Retention::Full => {
+                self.planes.reserve(k, v, pos + 1, usize::MAX)?;
+                (0, pos, usize::MAX)
+            }
+            Retention::Window { size } => {
+                self.planes.reserve(k, v, (pos + 1).min(size), size)?;
+                (pos + 1 - size.min(pos + 1), pos % size, size)
+            }
+        };
+        self.planes.write(slot_of, k, v)?;
+        let rows = self
+            .rows
+            .left_pad()
+            .iter()
+            .map(|&pad| {
+                // Visible positions: first ..= pos, none before the row's padding; a padding
+                // query sees only itself.
+                let lo = first.max(pad).min(pos);
+                let (a, b) = (lo % size.min(usize::MAX), pos % size.min(usize::MAX));
+                let ranges = if size == usize::MAX || a <= b {
+                    vec![a..b + 1]
+                } else {
+                    vec![a..size, 0..b + 1]
+                };
+                RowSlots { ranges }
+            })
+            .collect();
+        self.rows.advance(1);
+        let (keys, values) = self.planes.planes();
+        Ok(AttentionRead::decode(keys.clone(), values.clone(), rows))
     }
 
     /// Positions `first .. first + len` of a ring of `size` slots, in temporal order.
-    fn read_ring(&self, first: usize, len: usize, size: usize) -> Result<(Option<Tensor>, Option<Tensor>), KvError> {
+    fn read_ring(
+        &self,
+        first: usize,
+        len: usize,
+        size: usize,
+    ) -> Result<(Option<Tensor>, Option<Tensor>), KvError> {
         if len == 0 {
             return Ok((None, None));
         }
@@ -115,12 +173,21 @@ impl LayerCache {
             return Ok((Some(k1), Some(v1)));
         }
         let (k2, v2) = self.planes.read(0, len - head)?;
-        Ok((Some(Tensor::cat(&[&k1, &k2], 2)?), Some(Tensor::cat(&[&v1, &v2], 2)?)))
+        Ok((
+            Some(Tensor::cat(&[&k1, &k2], 2)?),
+            Some(Tensor::cat(&[&v1, &v2], 2)?),
+        ))
     }
 
     /// Stores positions `first ..` of `k`, `v` in a ring of `size` slots; only the last
     /// `size` of them survive.
-    fn write_ring(&mut self, first: usize, k: &Tensor, v: &Tensor, size: usize) -> Result<(), KvError> {
+    fn write_ring(
+        &mut self,
+        first: usize,
+        k: &Tensor,
+        v: &Tensor,
+        size: usize,
+    ) -> Result<(), KvError> {
         let n = k.dims()[2];
         let skip = n.saturating_sub(size);
         let (k, v) = (k.narrow(2, skip, n - skip)?, v.narrow(2, skip, n - skip)?);
@@ -128,9 +195,14 @@ impl LayerCache {
         self.planes.reserve(&k, &v, (first + n).min(size), size)?;
         let slot = first % size;
         let head = n.min(size - slot);
-        self.planes.write(slot, &k.narrow(2, 0, head)?, &v.narrow(2, 0, head)?)?;
+        self.planes
+            .write(slot, &k.narrow(2, 0, head)?, &v.narrow(2, 0, head)?)?;
         if head < n {
-            self.planes.write(0, &k.narrow(2, head, n - head)?, &v.narrow(2, head, n - head)?)?;
+            self.planes.write(
+                0,
+                &k.narrow(2, head, n - head)?,
+                &v.narrow(2, head, n - head)?,
+            )?;
         }
         Ok(())
     }
@@ -153,18 +225,29 @@ impl AttentionCache for LayerCache {
         let held = self.rows.end();
         if let Retention::Window { size } = self.spec.retention {
             if held > size && n > 0 {
-                return Err(KvError::TrimWrappedRing { layer: self.layer, requested: n, window: size, held });
+                return Err(KvError::TrimWrappedRing {
+                    layer: self.layer,
+                    requested: n,
+                    window: size,
+                    held,
+                });
             }
         }
         if n > held {
-            return Err(KvError::TrimTooFar { layer: self.layer, requested: n, held });
+            return Err(KvError::TrimTooFar {
+                layer: self.layer,
+                requested: n,
+                held,
+            });
         }
         self.rows.retreat(n);
         Ok(())
     }
 
     fn bytes_per_token(&self) -> usize {
-        let per_row = self.spec.kv_heads * (self.spec.head_dim + self.spec.value_dim) * self.planes.dtype().size_in_bytes();
+        let per_row = self.spec.kv_heads
+            * (self.spec.head_dim + self.spec.value_dim)
+            * self.planes.dtype().size_in_bytes();
         per_row * self.rows.batch()
     }
 
@@ -219,7 +302,10 @@ impl KvCache {
 
     /// Real positions per row: the RoPE position of each row's next token.
     pub fn offsets(&self) -> Vec<usize> {
-        self.left_pad.iter().map(|&p| self.end().saturating_sub(p)).collect()
+        self.left_pad
+            .iter()
+            .map(|&p| self.end().saturating_sub(p))
+            .collect()
     }
 
     /// Trims every layer, or none: a refusal by any layer leaves the cache unchanged.
@@ -227,11 +313,20 @@ impl KvCache {
         for layer in &self.layers {
             if let Retention::Window { size } = layer.spec.retention {
                 if layer.offset() > size && n > 0 {
-                    return Err(KvError::TrimWrappedRing { layer: layer.layer, requested: n, window: size, held: layer.offset() });
+                    return Err(KvError::TrimWrappedRing {
+                        layer: layer.layer,
+                        requested: n,
+                        window: size,
+                        held: layer.offset(),
+                    });
                 }
             }
             if n > layer.offset() {
-                return Err(KvError::TrimTooFar { layer: layer.layer, requested: n, held: layer.offset() });
+                return Err(KvError::TrimTooFar {
+                    layer: layer.layer,
+                    requested: n,
+                    held: layer.offset(),
+                });
             }
         }
         for layer in &mut self.layers {

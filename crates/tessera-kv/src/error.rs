@@ -4,16 +4,34 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum KvError {
     #[error("unknown KV scheme `{given}` (supported: {supported})")]
-    UnknownScheme { given: String, supported: &'static str },
+    UnknownScheme {
+        given: String,
+        supported: &'static str,
+    },
 
     #[error("layer {layer}: cannot trim {requested} positions from a sliding-window ring of {window} that has wrapped ({held} positions appended); the evicted positions are gone")]
-    TrimWrappedRing { layer: usize, requested: usize, window: usize, held: usize },
+    TrimWrappedRing {
+        layer: usize,
+        requested: usize,
+        window: usize,
+        held: usize,
+    },
 
     #[error("layer {layer}: cannot trim {requested} positions, only {held} are held")]
-    TrimTooFar { layer: usize, requested: usize, held: usize },
+    TrimTooFar {
+        layer: usize,
+        requested: usize,
+        held: usize,
+    },
 
     #[error("layer {layer}: append of shape {got:?} does not match the cache's (rows {rows}, kv_heads {kv_heads}, head_dim {head_dim})")]
-    ShapeMismatch { layer: usize, got: Vec<usize>, rows: usize, kv_heads: usize, head_dim: usize },
+    ShapeMismatch {
+        layer: usize,
+        got: Vec<usize>,
+        rows: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    },
 
     #[error("left padding has {given} rows but the cache was built for {rows}")]
     RowCount { given: usize, rows: usize },

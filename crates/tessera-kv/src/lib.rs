@@ -17,6 +17,7 @@
 //! [`LayerSpec`]s and a [`KvScheme`].
 
 mod cache;
+mod decode;
 mod error;
 pub mod plain;
 mod read;

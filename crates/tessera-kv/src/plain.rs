@@ -15,7 +15,11 @@ pub struct PlainPlanes {
 
 impl PlainPlanes {
     pub fn new(dtype: PlainDType) -> Self {
-        PlainPlanes { dtype, keys: None, values: None }
+        PlainPlanes {
+            dtype,
+            keys: None,
+            values: None,
+        }
     }
 
     pub fn dtype(&self) -> PlainDType {
@@ -43,11 +47,19 @@ impl PlainPlanes {
 
     /// Makes room for at least `slots` slots, growing in [`GROWTH_STEP`] steps but never past
     /// `limit`. Existing slots keep their contents.
-    pub fn reserve(&mut self, k: &Tensor, v: &Tensor, slots: usize, limit: usize) -> Result<(), KvError> {
+    pub fn reserve(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        slots: usize,
+        limit: usize,
+    ) -> Result<(), KvError> {
         if slots <= self.capacity() {
             return Ok(());
         }
-        let capacity = (slots.div_ceil(GROWTH_STEP) * GROWTH_STEP).min(limit).max(slots);
+        let capacity = (slots.div_ceil(GROWTH_STEP) * GROWTH_STEP)
+            .min(limit)
+            .max(slots);
         let grow = |old: &Option<Tensor>, like: &Tensor| -> Result<Tensor, KvError> {
             let (b, h, _, d) = like.dims4()?;
             let fresh = Tensor::zeros((b, h, capacity, d), self.dtype.dtype(), like.device())?;
@@ -66,7 +78,10 @@ impl PlainPlanes {
     /// Writes `k`, `v` `(rows, kv_heads, n, dim)` into slots `slot .. slot + n`.
     pub fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
         let dtype = self.dtype.dtype();
-        let (keys, values) = (self.keys.as_ref().expect("reserved"), self.values.as_ref().expect("reserved"));
+        let (keys, values) = (
+            self.keys.as_ref().expect("reserved"),
+            self.values.as_ref().expect("reserved"),
+        );
         keys.slice_set(&k.to_dtype(dtype)?.contiguous()?, 2, slot)?;
         values.slice_set(&v.to_dtype(dtype)?.contiguous()?, 2, slot)?;
         Ok(())
@@ -74,14 +89,32 @@ impl PlainPlanes {
 
     /// Slots `slot .. slot + len` of both planes, as f32.
     pub fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
-        let (keys, values) = (self.keys.as_ref().expect("reserved"), self.values.as_ref().expect("reserved"));
+        let (keys, values) = (
+            self.keys.as_ref().expect("reserved"),
+            self.values.as_ref().expect("reserved"),
+        );
         Ok((
-            keys.narrow(2, slot, len)?.to_dtype(DType::F32)?.contiguous()?,
-            values.narrow(2, slot, len)?.to_dtype(DType::F32)?.contiguous()?,
+            keys.narrow(2, slot, len)?
+                .to_dtype(DType::F32)?
+                .contiguous()?,
+            values
+                .narrow(2, slot, len)?
+                .to_dtype(DType::F32)?
+                .contiguous()?,
         ))
     }
 
+    /// The stored planes `(rows, kv_heads, capacity, dim)`, for fused reads.
+    pub fn planes(&self) -> (&Tensor, &Tensor) {
+        (
+            self.keys.as_ref().expect("reserved"),
+            self.values.as_ref().expect("reserved"),
+        )
+    }
+
     pub fn device(&self) -> Device {
-        self.keys.as_ref().map_or(Device::Cpu, |k| k.device().clone())
+        self.keys
+            .as_ref()
+            .map_or(Device::Cpu, |k| k.device().clone())
     }
 }

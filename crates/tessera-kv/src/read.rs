@@ -1,8 +1,9 @@
 //! The attention read a layer cache returns from an append: keys and values of every
 //! position the new queries may see, with the mask that says which.
 
+use crate::decode::{self, DecodeShape, RowSlots};
 use crate::KvError;
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
 use std::marker::PhantomData;
 
 /// Keys `(rows, kv_heads, keys, head_dim)` and values `(rows, kv_heads, keys, value_dim)` in
@@ -13,21 +14,67 @@ pub struct AttentionRead<'a> {
     keys: Tensor,
     values: Tensor,
     mask: Option<Tensor>,
+    /// Set for a fused decode read: `keys`/`values` are then the whole stored planes and
+    /// each row attends its listed slots.
+    decode: Option<Vec<RowSlots>>,
     _cache: PhantomData<&'a ()>,
 }
 
 impl<'a> AttentionRead<'a> {
-    pub(crate) fn new(keys: Tensor, values: Tensor, mask: Option<Tensor>) -> Self {
-        AttentionRead { keys, values, mask, _cache: PhantomData }
+    /// A read over gathered keys and values `(rows, kv_heads, keys, dim)` with a mask.
+    pub(crate) fn dense(keys: Tensor, values: Tensor, mask: Option<Tensor>) -> Self {
+        AttentionRead {
+            keys,
+            values,
+            mask,
+            decode: None,
+            _cache: PhantomData,
+        }
     }
 
-    pub fn key_count(&self) -> usize {
-        self.keys.dims()[2]
+    /// A one-position read straight from stored planes `(rows, kv_heads, capacity, dim)`.
+    pub(crate) fn decode(planes_k: Tensor, planes_v: Tensor, rows: Vec<RowSlots>) -> Self {
+        AttentionRead {
+            keys: planes_k,
+            values: planes_v,
+            mask: None,
+            decode: Some(rows),
+            _cache: PhantomData,
+        }
+    }
+
+    /// Materializes a fused decode read as a dense one (the reference the fused read is
+    /// tested against).
+    pub fn to_dense(&self) -> Result<AttentionRead<'a>, KvError> {
+        let Some(rows) = &self.decode else {
+            return Ok(AttentionRead::dense(
+                self.keys.clone(),
+                self.values.clone(),
+                self.mask.clone(),
+            ));
+        };
+        let (b, _, cap, _) = self.keys.dims4()?;
+        // Keys in slot order plus a mask that hides every slot a row does not list.
+        let keys = self.keys.to_dtype(DType::F32)?;
+        let values = self.values.to_dtype(DType::F32)?;
+        let mut mask = vec![f32::NEG_INFINITY; b * cap];
+        for (r, slots) in rows.iter().enumerate() {
+            for range in &slots.ranges {
+                for slot in range.clone() {
+                    mask[r * cap + slot] = 0.0;
+                }
+            }
+        }
+        let mask = Tensor::from_vec(mask, (b, 1, 1, cap), self.keys.device())?;
+        Ok(AttentionRead::dense(keys, values, Some(mask)))
     }
 
     /// Scaled dot-product attention of `q` `(rows, q_heads, queries, head_dim)` over this
     /// read, query heads grouped onto KV heads (GQA). Returns `(rows, q_heads, queries, value_dim)`.
     pub fn attend(&self, q: &Tensor, scale: f32) -> Result<Tensor, KvError> {
+        if let Some(rows) = &self.decode {
+            return self.attend_decode(q, rows, scale);
+        }
         let (b, qh, n, d) = q.dims4()?;
         let (kb, kvh, s, kd) = self.keys.dims4()?;
         let dv = self.values.dims()[3];
@@ -52,6 +99,33 @@ impl<'a> AttentionRead<'a> {
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let out = probs.matmul(&self.values)?; // (b, kvh, g*n, dv)
         Ok(out.reshape((b, qh, n, dv))?)
+    }
+
+    fn attend_decode(&self, q: &Tensor, rows: &[RowSlots], scale: f32) -> Result<Tensor, KvError> {
+        let (b, qh, n, d) = q.dims4()?;
+        let (kb, kvh, capacity, kd) = self.keys.dims4()?;
+        if kb != b || kd != d || n != 1 || qh % kvh != 0 {
+            return Err(KvError::QueryShape {
+                got: q.dims().to_vec(),
+                detail: format!("a decode read over planes {:?}", self.keys.dims()),
+            });
+        }
+        let shape = DecodeShape {
+            rows: b,
+            kv_heads: kvh,
+            group: qh / kvh,
+            head_dim: d,
+            value_dim: self.values.dims()[3],
+            capacity,
+        };
+        Ok(decode::attend(
+            &q.contiguous()?,
+            &self.keys,
+            &self.values,
+            rows,
+            &shape,
+            scale,
+        )?)
     }
 
     /// Plain attention without the fused softmax, in f64-free f32 steps: the reference the

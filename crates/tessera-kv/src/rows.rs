@@ -34,7 +34,10 @@ impl Rows {
 
     /// Real positions each row holds: the RoPE position of its next token.
     pub fn offsets(&self) -> Vec<usize> {
-        self.left_pad.iter().map(|&p| self.end.saturating_sub(p)).collect()
+        self.left_pad
+            .iter()
+            .map(|&p| self.end.saturating_sub(p))
+            .collect()
     }
 
     pub(crate) fn advance(&mut self, n: usize) {
@@ -102,9 +105,15 @@ mod tests {
         let m: Vec<f32> = m.flatten_all().unwrap().to_vec1().unwrap();
         let vis = |row: usize, i: usize, j: usize| m[(row * 2 + i) * 5 + j] == 0.0;
         // Row 0, query at position 3, window 3: sees 1,2,3.
-        assert_eq!((0..5).map(|j| vis(0, 0, j)).collect::<Vec<_>>(), [false, true, true, true, false]);
+        assert_eq!(
+            (0..5).map(|j| vis(0, 0, j)).collect::<Vec<_>>(),
+            [false, true, true, true, false]
+        );
         // Row 1, query at position 4: sees 2,3,4 (0 and 1 are padding anyway).
-        assert_eq!((0..5).map(|j| vis(1, 1, j)).collect::<Vec<_>>(), [false, false, true, true, true]);
+        assert_eq!(
+            (0..5).map(|j| vis(1, 1, j)).collect::<Vec<_>>(),
+            [false, false, true, true, true]
+        );
         assert_eq!(rows.offsets(), vec![3, 1]);
     }
 

@@ -83,7 +83,11 @@ const SUPPORTED: &str = "bf16, f16, f32";
 
 impl KvScheme {
     pub fn uniform(codec: Codec) -> Self {
-        KvScheme { default: codec, per_layer: Vec::new(), quantized_kv_start: 0 }
+        KvScheme {
+            default: codec,
+            per_layer: Vec::new(),
+            quantized_kv_start: 0,
+        }
     }
 
     /// Parses a `--kv` value such as `bf16`.
@@ -92,14 +96,24 @@ impl KvScheme {
             "bf16" => Codec::Plain(PlainDType::Bf16),
             "f16" | "fp16" => Codec::Plain(PlainDType::F16),
             "f32" | "fp32" => Codec::Plain(PlainDType::F32),
-            _ => return Err(KvError::UnknownScheme { given: text.to_string(), supported: SUPPORTED }),
+            _ => {
+                return Err(KvError::UnknownScheme {
+                    given: text.to_string(),
+                    supported: SUPPORTED,
+                })
+            }
         };
         Ok(Self::uniform(codec))
     }
 
     /// The codec layer `layer` uses.
     pub fn codec_for(&self, layer: usize) -> Codec {
-        self.per_layer.iter().rev().find(|(l, _)| *l == layer).map(|(_, c)| *c).unwrap_or(self.default)
+        self.per_layer
+            .iter()
+            .rev()
+            .find(|(l, _)| *l == layer)
+            .map(|(_, c)| *c)
+            .unwrap_or(self.default)
     }
 }
 
@@ -122,10 +136,19 @@ mod tests {
 
     #[test]
     fn parses_plain_schemes_and_rejects_unknown() {
-        assert_eq!(KvScheme::parse("bf16").unwrap().default, Codec::Plain(PlainDType::Bf16));
-        assert_eq!(KvScheme::parse("F32").unwrap().default, Codec::Plain(PlainDType::F32));
+        assert_eq!(
+            KvScheme::parse("bf16").unwrap().default,
+            Codec::Plain(PlainDType::Bf16)
+        );
+        assert_eq!(
+            KvScheme::parse("F32").unwrap().default,
+            Codec::Plain(PlainDType::F32)
+        );
         let err = KvScheme::parse("q4_0").unwrap_err();
-        assert!(err.to_string().contains("unknown KV scheme `q4_0`"), "{err}");
+        assert!(
+            err.to_string().contains("unknown KV scheme `q4_0`"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -13,14 +13,19 @@ struct Reference {
 }
 
 fn lcg(seed: &mut u64) -> f32 {
-    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
 fn random(shape: (usize, usize, usize, usize), seed: &mut u64) -> (Tensor, Vec<f32>) {
     let n = shape.0 * shape.1 * shape.2 * shape.3;
     let data: Vec<f32> = (0..n).map(|_| lcg(seed)).collect();
-    (Tensor::from_vec(data.clone(), shape, &Device::Cpu).unwrap(), data)
+    (
+        Tensor::from_vec(data.clone(), shape, &Device::Cpu).unwrap(),
+        data,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -51,13 +56,24 @@ fn reference_attend(
                 let qv = &q[((row * qh + h) * n + i) * d..][..d];
                 let scores: Vec<f64> = visible
                     .iter()
-                    .map(|&k| keys[k].iter().zip(qv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64)
+                    .map(|&k| {
+                        keys[k]
+                            .iter()
+                            .zip(qv)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * scale as f64
+                    })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let z: f64 = exps.iter().sum();
                 for dd in 0..d {
-                    let v: f64 = visible.iter().zip(&exps).map(|(&k, e)| e / z * values[k][dd] as f64).sum();
+                    let v: f64 = visible
+                        .iter()
+                        .zip(&exps)
+                        .map(|(&k, e)| e / z * values[k][dd] as f64)
+                        .sum();
                     out[((row * qh + h) * n + i) * d + dd] = v as f32;
                 }
             }
@@ -66,7 +82,15 @@ fn reference_attend(
     out
 }
 
-fn run_case(kvh: usize, group: usize, d: usize, window: Option<usize>, pads: Vec<usize>, chunks: &[usize], seed: u64) {
+fn run_case(
+    kvh: usize,
+    group: usize,
+    d: usize,
+    window: Option<usize>,
+    pads: Vec<usize>,
+    chunks: &[usize],
+    seed: u64,
+) {
     let b = pads.len();
     let qh = kvh * group;
     let spec = LayerSpec {
@@ -77,7 +101,10 @@ fn run_case(kvh: usize, group: usize, d: usize, window: Option<usize>, pads: Vec
     };
     let scheme = KvScheme::uniform(Codec::Plain(PlainDType::F32));
     let mut cache = KvCache::new(&[spec], &scheme, pads.clone());
-    let mut reference = Reference { keys: vec![vec![Vec::new(); kvh]; b], values: vec![vec![Vec::new(); kvh]; b] };
+    let mut reference = Reference {
+        keys: vec![vec![Vec::new(); kvh]; b],
+        values: vec![vec![Vec::new(); kvh]; b],
+    };
     let mut seed = seed;
     let scale = 1.0 / (d as f32).sqrt();
     let mut start = 0;
@@ -95,9 +122,28 @@ fn run_case(kvh: usize, group: usize, d: usize, window: Option<usize>, pads: Vec
             }
         }
         let layer = cache.layer_mut(0);
-        let read = if n == 1 { layer.append_decode(&k, &v).unwrap() } else { layer.append_window(&k, &v).unwrap() };
-        let got: Vec<f32> = read.attend(&q, scale).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let want = reference_attend(&reference, &qd, (b, qh, n, d), kvh, start, &pads, window, scale);
+        let read = if n == 1 {
+            layer.append_decode(&k, &v).unwrap()
+        } else {
+            layer.append_window(&k, &v).unwrap()
+        };
+        let got: Vec<f32> = read
+            .attend(&q, scale)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let want = reference_attend(
+            &reference,
+            &qd,
+            (b, qh, n, d),
+            kvh,
+            start,
+            &pads,
+            window,
+            scale,
+        );
         for row in 0..b {
             for h in 0..qh {
                 for i in 0..n {
@@ -107,7 +153,10 @@ fn run_case(kvh: usize, group: usize, d: usize, window: Option<usize>, pads: Vec
                     for dd in 0..d {
                         let at = ((row * qh + h) * n + i) * d + dd;
                         let (g, w) = (got[at], want[at]);
-                        assert!((g - w).abs() <= 1e-4 + 1e-3 * w.abs(), "row {row} head {h} query {i} (start {start}): {g} vs {w}");
+                        assert!(
+                            (g - w).abs() <= 1e-4 + 1e-3 * w.abs(),
+                            "row {row} head {h} query {i} (start {start}): {g} vs {w}"
+                        );
                     }
                 }
             }
@@ -134,9 +183,18 @@ fn left_padded_rows_with_window() {
 
 #[test]
 fn trim_full_then_continue_and_wrapped_ring_refuses() {
-    let spec = |retention| LayerSpec { kv_heads: 1, head_dim: 8, value_dim: 8, retention };
+    let spec = |retention| LayerSpec {
+        kv_heads: 1,
+        head_dim: 8,
+        value_dim: 8,
+        retention,
+    };
     let scheme = KvScheme::uniform(Codec::Plain(PlainDType::Bf16));
-    let mut cache = KvCache::new(&[spec(Retention::Full), spec(Retention::Window { size: 4 })], &scheme, vec![0]);
+    let mut cache = KvCache::new(
+        &[spec(Retention::Full), spec(Retention::Window { size: 4 })],
+        &scheme,
+        vec![0],
+    );
     let mut seed = 9;
     for layer in 0..2 {
         let (k, _) = random((1, 1, 3, 8), &mut seed);
@@ -152,17 +210,39 @@ fn trim_full_then_continue_and_wrapped_ring_refuses() {
     assert!(err.contains("wrapped"), "{err}");
     assert_eq!(cache.end(), 7, "a refused trim changes nothing");
     assert_eq!(cache.bytes_per_token(), 2 * (8 + 8) * 2);
-    assert_eq!(cache.signatures(), vec!["kv:plain:bf16".to_string(), "kv:window4:plain:bf16".to_string()]);
+    assert_eq!(
+        cache.signatures(),
+        vec![
+            "kv:plain:bf16".to_string(),
+            "kv:window4:plain:bf16".to_string()
+        ]
+    );
 }
 
 #[test]
 fn wrong_shapes_are_typed_errors() {
-    let spec = LayerSpec { kv_heads: 2, head_dim: 8, value_dim: 8, retention: Retention::Full };
-    let mut cache = KvCache::new(&[spec], &KvScheme::uniform(Codec::Plain(PlainDType::F32)), vec![0]);
+    let spec = LayerSpec {
+        kv_heads: 2,
+        head_dim: 8,
+        value_dim: 8,
+        retention: Retention::Full,
+    };
+    let mut cache = KvCache::new(
+        &[spec],
+        &KvScheme::uniform(Codec::Plain(PlainDType::F32)),
+        vec![0],
+    );
     let mut seed = 1;
     let (k, _) = random((1, 1, 3, 8), &mut seed);
-    let err = cache.layer_mut(0).append_window(&k, &k).unwrap_err().to_string();
-    assert!(err.contains("layer 0") && err.contains("kv_heads 2"), "{err}");
+    let err = cache
+        .layer_mut(0)
+        .append_window(&k, &k)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("layer 0") && err.contains("kv_heads 2"),
+        "{err}"
+    );
 }
 
 proptest! {
@@ -181,5 +261,56 @@ proptest! {
         let mut chunks = chunks;
         chunks[0] = chunks[0].max(longest_pad + 1);
         run_case(kvh, group, d, window, pads, &chunks, seed);
+    }
+}
+
+/// The fused bf16 decode read against the same read materialized as dense f32 attention,
+/// over full and wrapped-ring layers with left-padded rows.
+#[test]
+fn fused_bf16_decode_equals_dense_reference() {
+    for retention in [Retention::Full, Retention::Window { size: 24 }] {
+        let spec = LayerSpec {
+            kv_heads: 2,
+            head_dim: 64,
+            value_dim: 64,
+            retention,
+        };
+        let mut cache = KvCache::new(
+            &[spec],
+            &KvScheme::uniform(Codec::Plain(PlainDType::Bf16)),
+            vec![0, 5, 2],
+        );
+        let mut seed = 42;
+        let (k, _) = random((3, 2, 30, 64), &mut seed);
+        let (v, _) = random((3, 2, 30, 64), &mut seed);
+        cache.layer_mut(0).append_window(&k, &v).unwrap();
+        for step in 0..40 {
+            let (k, _) = random((3, 2, 1, 64), &mut seed);
+            let (v, _) = random((3, 2, 1, 64), &mut seed);
+            let (q, _) = random((3, 8, 1, 64), &mut seed);
+            let read = cache.layer_mut(0).append_decode(&k, &v).unwrap();
+            let got: Vec<f32> = read
+                .attend(&q, 0.125)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let want: Vec<f32> = read
+                .to_dense()
+                .unwrap()
+                .attend_reference(&q, 0.125)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-3 * (1.0 + w.abs()),
+                    "{retention:?} step {step}: {g} vs {w}"
+                );
+            }
+        }
     }
 }

@@ -9,16 +9,29 @@ pub enum ModelError {
     NotFound { path: PathBuf },
 
     #[error("cannot read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 
     #[error("{path} is not a readable GGUF file: {reason}")]
     Corrupt { path: PathBuf, reason: String },
 
-    #[error("{path} is truncated: tensor `{tensor}` needs bytes up to {needed}, the file has {len}")]
-    Truncated { path: PathBuf, tensor: String, needed: u64, len: u64 },
+    #[error(
+        "{path} is truncated: tensor `{tensor}` needs bytes up to {needed}, the file has {len}"
+    )]
+    Truncated {
+        path: PathBuf,
+        tensor: String,
+        needed: u64,
+        len: u64,
+    },
 
     #[error("unsupported model architecture `{arch}` (supported: {supported})")]
-    UnknownArchitecture { arch: String, supported: &'static str },
+    UnknownArchitecture {
+        arch: String,
+        supported: &'static str,
+    },
 
     #[error("GGUF metadata key `{key}` is missing or has the wrong type")]
     MissingMetadata { key: String },
@@ -27,7 +40,11 @@ pub enum ModelError {
     MissingTensor { name: String },
 
     #[error("GGUF tensor `{name}` has shape {got:?}, expected {expected:?}")]
-    TensorShape { name: String, got: Vec<usize>, expected: Vec<usize> },
+    TensorShape {
+        name: String,
+        got: Vec<usize>,
+        expected: Vec<usize>,
+    },
 
     #[error("tokenizer: {0}")]
     Tokenizer(String),

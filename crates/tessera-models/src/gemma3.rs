@@ -7,8 +7,8 @@
 //! norm weights already shifted by one, so a weight `w` scales as `x · w`.
 
 use crate::gguf::{q5_0_as_q8_0, GgufFile};
-use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
 use crate::q8::Linear;
+use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
@@ -58,7 +58,9 @@ impl Gemma3Config {
             head_dim,
             value_dim: u("attention.value_length").unwrap_or(head_dim),
             ffn: u("feed_forward_length")?,
-            rms_eps: g.f32(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6) as f64,
+            rms_eps: g
+                .f32(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-6) as f64,
             rope_base_global: g.f32(&key("rope.freq_base")).unwrap_or(1_000_000.0),
             rope_base_local: DEFAULT_ROPE_BASE_LOCAL,
             sliding_window: u("attention.sliding_window").unwrap_or(512),
@@ -80,7 +82,9 @@ impl Gemma3Config {
                 head_dim: self.head_dim,
                 value_dim: self.value_dim,
                 retention: if self.is_sliding(i) {
-                    Retention::Window { size: self.sliding_window }
+                    Retention::Window {
+                        size: self.sliding_window,
+                    }
                 } else {
                     Retention::Full
                 },
@@ -111,9 +115,16 @@ pub(crate) struct Rope {
 
 impl Rope {
     /// `positions[row][i]` is the RoPE position of token `i` of row `row`.
-    fn new(positions: &[Vec<usize>], head_dim: usize, base: f32, device: &Device) -> candle_core::Result<Self> {
+    fn new(
+        positions: &[Vec<usize>],
+        head_dim: usize,
+        base: f32,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
         let half = head_dim / 2;
-        let inv: Vec<f64> = (0..half).map(|i| (base as f64).powf(-((2 * i) as f64) / head_dim as f64)).collect();
+        let inv: Vec<f64> = (0..half)
+            .map(|i| (base as f64).powf(-((2 * i) as f64) / head_dim as f64))
+            .collect();
         let (b, n) = (positions.len(), positions[0].len());
         let mut cos = Vec::with_capacity(b * n * half);
         let mut sin = Vec::with_capacity(b * n * half);
@@ -126,7 +137,10 @@ impl Rope {
                 }
             }
         }
-        Ok(Rope { cos: Tensor::from_vec(cos, (b, n, half), device)?, sin: Tensor::from_vec(sin, (b, n, half), device)? })
+        Ok(Rope {
+            cos: Tensor::from_vec(cos, (b, n, half), device)?,
+            sin: Tensor::from_vec(sin, (b, n, half), device)?,
+        })
     }
 
     fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -158,7 +172,9 @@ struct Projected {
 impl Attention {
     fn project(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Projected> {
         let (b, n, _) = x.dims3()?;
-        let split = |t: Tensor, heads: usize, dim: usize| t.reshape((b, n, heads, dim))?.transpose(1, 2)?.contiguous();
+        let split = |t: Tensor, heads: usize, dim: usize| {
+            t.reshape((b, n, heads, dim))?.transpose(1, 2)?.contiguous()
+        };
         let q = split(self.q.forward(x)?, self.heads, self.head_dim)?;
         let k = split(self.k.forward(x)?, self.kv_heads, self.head_dim)?;
         let v = split(self.v.forward(x)?, self.kv_heads, self.value_dim)?;
@@ -170,12 +186,25 @@ impl Attention {
     fn output(&self, attended: &Tensor) -> candle_core::Result<Tensor> {
         // (b, heads, n, value_dim) -> (b, n, heads * value_dim)
         let (b, _, n, _) = attended.dims4()?;
-        self.o.forward(&attended.transpose(1, 2)?.reshape((b, n, self.heads * self.value_dim))?)
+        self.o.forward(
+            &attended
+                .transpose(1, 2)?
+                .reshape((b, n, self.heads * self.value_dim))?,
+        )
     }
 
-    fn forward(&self, x: &Tensor, rope: &Rope, cache: &mut impl AttentionCache) -> Result<Tensor, ModelError> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        cache: &mut impl AttentionCache,
+    ) -> Result<Tensor, ModelError> {
         let p = self.project(x, rope)?;
-        let read = if p.q.dims()[2] == 1 { cache.append_decode(&p.k, &p.v)? } else { cache.append_window(&p.k, &p.v)? };
+        let read = if p.q.dims()[2] == 1 {
+            cache.append_decode(&p.k, &p.v)?
+        } else {
+            cache.append_window(&p.k, &p.v)?
+        };
         let attended = read.attend(&p.q, self.scale)?;
         Ok(self.output(&attended)?)
     }
@@ -212,7 +241,11 @@ struct Block {
 impl Block {
     /// The residual stream around attention (given as a closure so the cached and the
     /// uncached reference forward share everything else) and the MLP.
-    fn forward(&self, x: &Tensor, attend: impl FnOnce(&Tensor) -> Result<Tensor, ModelError>) -> Result<Tensor, ModelError> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        attend: impl FnOnce(&Tensor) -> Result<Tensor, ModelError>,
+    ) -> Result<Tensor, ModelError> {
         let h = attend(&self.attn_norm.forward(x)?)?;
         let x = (x + self.post_attn_norm.forward(&h)?)?;
         let h = self.mlp.forward(&self.ffn_norm.forward(&x)?)?;
@@ -234,16 +267,31 @@ pub struct Gemma3 {
 }
 
 impl Gemma3 {
-    pub fn load(g: &mut GgufFile, options: &LoadOptions, device: &Device) -> Result<Self, ModelError> {
+    pub fn load(
+        g: &mut GgufFile,
+        options: &LoadOptions,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
         let c = Gemma3Config::from_gguf(g)?;
         let eps = c.rms_eps as f32;
-        let matrix = |g: &mut GgufFile, name: String, rows: usize, cols: usize| -> Result<Linear, ModelError> {
+        let matrix = |g: &mut GgufFile,
+                      name: String,
+                      rows: usize,
+                      cols: usize|
+         -> Result<Linear, ModelError> {
             let t = g.tensor(&name, &[rows, cols], device)?;
-            let t = if options.reencode_q5_0 { q5_0_as_q8_0(t)? } else { t };
+            let t = if options.reencode_q5_0 {
+                q5_0_as_q8_0(t)?
+            } else {
+                t
+            };
             as_matmul(t, options)
         };
         let norm = |g: &mut GgufFile, name: String, dim: usize| -> Result<RmsNorm, ModelError> {
-            Ok(RmsNorm { weight: g.tensor(&name, &[dim], device)?.dequantize(device)?, eps })
+            Ok(RmsNorm {
+                weight: g.tensor(&name, &[dim], device)?.dequantize(device)?,
+                eps,
+            })
         };
         let mut blocks = Vec::with_capacity(c.layers);
         for i in 0..c.layers {
@@ -280,7 +328,10 @@ impl Gemma3 {
         // Tied output layer unless the file carries its own.
         let tied = !g.has_tensor("output.weight");
         let output = if tied {
-            as_matmul(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?, options)?
+            as_matmul(
+                g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?,
+                options,
+            )?
         } else {
             matrix(g, "output.weight".into(), c.vocab, c.hidden)?
         };
@@ -288,7 +339,14 @@ impl Gemma3 {
             (Linear::Q8(_), true) => None,
             _ => Some(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?),
         };
-        Ok(Gemma3 { config: c, embed, output, blocks, final_norm, device: device.clone() })
+        Ok(Gemma3 {
+            config: c,
+            embed,
+            output,
+            blocks,
+            final_norm,
+            device: device.clone(),
+        })
     }
 
     pub fn config(&self) -> &Gemma3Config {
@@ -302,7 +360,10 @@ impl Gemma3 {
     fn embed(&self, tokens: &Tensor) -> Result<Tensor, ModelError> {
         let ids: Vec<u32> = tokens.flatten_all()?.to_vec1()?;
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.config.vocab) {
-            return Err(ModelError::TokenOutOfRange { id, vocab: self.config.vocab });
+            return Err(ModelError::TokenOutOfRange {
+                id,
+                vocab: self.config.vocab,
+            });
         }
         let x = match (&self.embed, &self.output) {
             (Some(table), _) => table.embedding(tokens)?, // (b, n, hidden)
@@ -311,7 +372,9 @@ impl Gemma3 {
                 let (b, n) = tokens.dims2()?;
                 Tensor::from_vec(rows, (b, n, self.config.hidden), &self.device)?
             }
-            (None, Linear::Candle(_)) => unreachable!("embeddings are kept unless the Q8 output serves them"),
+            (None, Linear::Candle(_)) => {
+                unreachable!("embeddings are kept unless the Q8 output serves them")
+            }
         };
         Ok((x * (self.config.hidden as f64).sqrt())?)
     }
@@ -338,10 +401,18 @@ impl Gemma3 {
 
     /// Runs `tokens` `(rows, n)` through the model, appending to `cache`: a prefill chunk
     /// when `n > 1`, a decode step when `n == 1`. Returns logits `(rows, n or 1, vocab)`.
-    pub fn forward(&self, tokens: &Tensor, cache: &mut KvCache, mode: LogitsMode) -> Result<Tensor, ModelError> {
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<Tensor, ModelError> {
         let (b, n) = tokens.dims2()?;
         if cache.batch() != b {
-            return Err(ModelError::Kv(tessera_kv::KvError::RowCount { given: b, rows: cache.batch() }));
+            return Err(ModelError::Kv(tessera_kv::KvError::RowCount {
+                given: b,
+                rows: cache.batch(),
+            }));
         }
         // Row r's next token has RoPE position end - left_pad[r]. Padding positions precede a
         // row's real tokens; any position works for them since no real query attends them.
@@ -371,7 +442,11 @@ impl Gemma3 {
         let (local, global) = self.ropes(&positions)?;
         let mut x = self.embed(&ids)?;
         for block in &self.blocks {
-            let (rope, window) = if block.sliding { (&local, Some(self.config.sliding_window)) } else { (&global, None) };
+            let (rope, window) = if block.sliding {
+                (&local, Some(self.config.sliding_window))
+            } else {
+                (&global, None)
+            };
             x = block.forward(&x, |h| {
                 let a = &block.attn;
                 let p = a.project(h, rope)?;
@@ -406,5 +481,7 @@ fn repeat_kv(x: &Tensor, group: usize) -> candle_core::Result<Tensor> {
         return Ok(x.clone());
     }
     let (b, h, n, d) = x.dims4()?;
-    x.unsqueeze(2)?.expand((b, h, group, n, d))?.reshape((b, h * group, n, d))
+    x.unsqueeze(2)?
+        .expand((b, h, group, n, d))?
+        .reshape((b, h * group, n, d))
 }

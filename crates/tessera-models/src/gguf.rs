@@ -26,15 +26,22 @@ impl GgufFile {
     /// Opens `path` and checks that the header parses and every tensor's data lies inside
     /// the file, so a truncated download fails here with the tensor it cuts.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
-        let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         if !path.exists() {
-            return Err(ModelError::NotFound { path: path.to_path_buf() });
+            return Err(ModelError::NotFound {
+                path: path.to_path_buf(),
+            });
         }
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader)
-            .map_err(|e| ModelError::Corrupt { path: path.to_path_buf(), reason: first_line(&e.to_string()) })?;
+        let content = Content::read(&mut reader).map_err(|e| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason: first_line(&e.to_string()),
+        })?;
         for (name, info) in &content.tensor_infos {
             let elems = info.shape.elem_count();
             let block = info.ggml_dtype.block_size();
@@ -45,12 +52,24 @@ impl GgufFile {
                 });
             }
             let bytes = (elems / block * info.ggml_dtype.type_size()) as u64;
-            let needed = content.tensor_data_offset.saturating_add(info.offset).saturating_add(bytes);
+            let needed = content
+                .tensor_data_offset
+                .saturating_add(info.offset)
+                .saturating_add(bytes);
             if needed > len {
-                return Err(ModelError::Truncated { path: path.to_path_buf(), tensor: name.clone(), needed, len });
+                return Err(ModelError::Truncated {
+                    path: path.to_path_buf(),
+                    tensor: name.clone(),
+                    needed,
+                    len,
+                });
             }
         }
-        Ok(GgufFile { path: path.to_path_buf(), content, reader })
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            content,
+            reader,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -70,7 +89,9 @@ impl GgufFile {
     }
 
     fn missing(key: &str) -> ModelError {
-        ModelError::MissingMetadata { key: key.to_string() }
+        ModelError::MissingMetadata {
+            key: key.to_string(),
+        }
     }
 
     pub fn u32(&self, key: &str) -> Result<u32, ModelError> {
@@ -128,8 +149,19 @@ impl GgufFile {
     }
 
     /// Reads tensor `name`, checking its shape (candle's order: outermost first).
-    pub fn tensor(&mut self, name: &str, expected: &[usize], device: &Device) -> Result<QTensor, ModelError> {
-        let info = self.content.tensor_infos.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_string() })?;
+    pub fn tensor(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        device: &Device,
+    ) -> Result<QTensor, ModelError> {
+        let info =
+            self.content
+                .tensor_infos
+                .get(name)
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.to_string(),
+                })?;
         if info.shape.dims() != expected {
             return Err(ModelError::TensorShape {
                 name: name.to_string(),
@@ -139,7 +171,10 @@ impl GgufFile {
         }
         self.content
             .tensor(&mut self.reader, name, device)
-            .map_err(|e| ModelError::Corrupt { path: self.path.clone(), reason: format!("tensor `{name}`: {}", first_line(&e.to_string())) })
+            .map_err(|e| ModelError::Corrupt {
+                path: self.path.clone(),
+                reason: format!("tensor `{name}`: {}", first_line(&e.to_string())),
+            })
     }
 }
 
@@ -158,7 +193,10 @@ pub fn q5_0_as_q8_0(tensor: QTensor) -> Result<QTensor, ModelError> {
     let data = tensor.data()?;
     let blocks = data.len() / Q5_0_BLOCK_BYTES;
     let mut out = vec![0u8; blocks * Q8_0_BLOCK_BYTES];
-    for (src, dst) in data.chunks_exact(Q5_0_BLOCK_BYTES).zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES)) {
+    for (src, dst) in data
+        .chunks_exact(Q5_0_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(Q8_0_BLOCK_BYTES))
+    {
         dst[..2].copy_from_slice(&src[..2]); // the same f16 scale
         let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
         let qs = &src[6..22];
@@ -169,7 +207,11 @@ pub fn q5_0_as_q8_0(tensor: QTensor) -> Result<QTensor, ModelError> {
             dst[2 + j + 16] = (hi - 16) as i8 as u8;
         }
     }
-    let storage = QStorage::from_data(std::borrow::Cow::Owned(out), &tensor.device(), GgmlDType::Q8_0)?;
+    let storage = QStorage::from_data(
+        std::borrow::Cow::Owned(out),
+        &tensor.device(),
+        GgmlDType::Q8_0,
+    )?;
     Ok(QTensor::new(storage, tensor.shape().clone())?)
 }
 
@@ -181,13 +223,27 @@ mod tests {
     #[test]
     fn q5_0_reencodes_to_identical_q8_0_values() {
         let device = Device::Cpu;
-        let values: Vec<f32> = (0..64 * 32).map(|i| ((i * 7919) % 1000) as f32 / 100.0 - 5.0).collect();
+        let values: Vec<f32> = (0..64 * 32)
+            .map(|i| ((i * 7919) % 1000) as f32 / 100.0 - 5.0)
+            .collect();
         let t = Tensor::from_vec(values, (64, 32), &device).unwrap();
         let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).unwrap();
-        let before: Vec<f32> = q5.dequantize(&device).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let before: Vec<f32> = q5
+            .dequantize(&device)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let q8 = q5_0_as_q8_0(q5).unwrap();
         assert_eq!(q8.dtype(), GgmlDType::Q8_0);
-        let after: Vec<f32> = q8.dequantize(&device).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let after: Vec<f32> = q8
+            .dequantize(&device)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert_eq!(before, after);
     }
 }

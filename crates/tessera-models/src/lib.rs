@@ -44,7 +44,11 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { reencode_q5_0: true, dequantize: false, mlp_activation: MlpActivation::Architecture }
+        LoadOptions {
+            reencode_q5_0: true,
+            dequantize: false,
+            mlp_activation: MlpActivation::Architecture,
+        }
     }
 }
 
@@ -67,18 +71,32 @@ pub enum Model {
 
 impl Model {
     /// Opens, validates and loads the GGUF file at `path`, with its tokenizer.
-    pub fn load(path: &Path, options: &LoadOptions, device: &Device) -> Result<(Model, Tokenizer), ModelError> {
+    pub fn load(
+        path: &Path,
+        options: &LoadOptions,
+        device: &Device,
+    ) -> Result<(Model, Tokenizer), ModelError> {
         let mut gguf = GgufFile::open(path)?;
         let arch = gguf.architecture()?;
         let model = match arch.as_str() {
             "gemma3" => Model::Gemma3(gemma3::Gemma3::load(&mut gguf, options, device)?),
-            _ => return Err(ModelError::UnknownArchitecture { arch, supported: SUPPORTED_ARCHITECTURES }),
+            _ => {
+                return Err(ModelError::UnknownArchitecture {
+                    arch,
+                    supported: SUPPORTED_ARCHITECTURES,
+                })
+            }
         };
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         Ok((model, tokenizer))
     }
 
-    pub fn forward(&self, tokens: &Tensor, cache: &mut KvCache, mode: LogitsMode) -> Result<Tensor, ModelError> {
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<Tensor, ModelError> {
         match self {
             Model::Gemma3(m) => m.forward(tokens, cache, mode),
         }

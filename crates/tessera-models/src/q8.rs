@@ -163,7 +163,11 @@ impl QuantizedActs {
         let kb = k / BLOCK;
         let mut q = vec![0i8; m * k];
         let mut d = vec![0f32; m * kb];
-        for (b, (src, dst)) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).enumerate() {
+        for (b, (src, dst)) in x
+            .chunks_exact(BLOCK)
+            .zip(q.chunks_exact_mut(BLOCK))
+            .enumerate()
+        {
             let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
             let scale = amax / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
@@ -178,7 +182,14 @@ impl QuantizedActs {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-unsafe fn kernel<const MR: usize>(w: &Q8Matrix, a: &QuantizedActs, i0: usize, j0: usize, nr: usize, result: &mut [[f32; 4]; 4]) {
+unsafe fn kernel<const MR: usize>(
+    w: &Q8Matrix,
+    a: &QuantizedActs,
+    i0: usize,
+    j0: usize,
+    nr: usize,
+    result: &mut [[f32; 4]; 4],
+) {
     use std::arch::x86_64::*;
     let k = w.k;
     let kb = k / BLOCK;
@@ -190,17 +201,20 @@ unsafe fn kernel<const MR: usize>(w: &Q8Matrix, a: &QuantizedActs, i0: usize, j0
         let mut wabs = [_mm256_setzero_si256(); 4];
         let mut dw = [_mm256_setzero_ps(); 4];
         for c in 0..4 {
-            wv[c] = _mm256_loadu_si256(w.qs.as_ptr().add(rows[c] * k + b * BLOCK) as *const __m256i);
+            wv[c] =
+                _mm256_loadu_si256(w.qs.as_ptr().add(rows[c] * k + b * BLOCK) as *const __m256i);
             wabs[c] = _mm256_sign_epi8(wv[c], wv[c]);
             dw[c] = _mm256_set1_ps(*w.d.get_unchecked(rows[c] * kb + b));
         }
         for r in 0..MR {
-            let av = _mm256_loadu_si256(a.q.as_ptr().add((i0 + r) * k + b * BLOCK) as *const __m256i);
+            let av =
+                _mm256_loadu_si256(a.q.as_ptr().add((i0 + r) * k + b * BLOCK) as *const __m256i);
             let da = _mm256_set1_ps(*a.d.get_unchecked((i0 + r) * kb + b));
             for c in 0..4 {
                 let signed = _mm256_sign_epi8(av, wv[c]);
                 let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs[c], signed);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(da, dw[c]), acc[r][c]);
+                acc[r][c] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(da, dw[c]), acc[r][c]);
             }
         }
     }
@@ -229,7 +243,11 @@ unsafe fn row_dot(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
     for b in 0..kb {
         let wv = _mm256_loadu_si256(wq.add(b * BLOCK) as *const __m256i);
         let av = _mm256_loadu_si256(a.q.as_ptr().add(b * BLOCK) as *const __m256i);
-        let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+        let dot = _mm256_dpbusd_epi32(
+            _mm256_setzero_si256(),
+            _mm256_sign_epi8(wv, wv),
+            _mm256_sign_epi8(av, wv),
+        );
         let scale = _mm256_set1_ps(*wd.add(b) * *a.d.get_unchecked(b));
         acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[b & 1]);
     }
@@ -246,7 +264,13 @@ mod tests {
     use candle_core::{Device, Module};
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
-        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32 / 1000.0 - 1.0).collect()
+        (0..n)
+            .map(|i| {
+                (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32
+                    / 1000.0
+                    - 1.0
+            })
+            .collect()
     }
 
     #[test]
@@ -265,17 +289,42 @@ mod tests {
             mat.matmul(&x, m, &mut got);
             let want = mat.matmul_reference(&x, m);
             for (g, r) in got.iter().zip(&want) {
-                assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{g} vs {r} (m {m} n {n} k {k})");
+                assert!(
+                    (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                    "{g} vs {r} (m {m} n {n} k {k})"
+                );
             }
             // Against f32 math on the dequantized weights: only activation rounding differs.
             let xt = Tensor::from_vec(x.clone(), (m, k), &dev).unwrap();
-            let exact: Vec<f32> = xt.matmul(&qt.dequantize(&dev).unwrap().t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let exact: Vec<f32> = xt
+                .matmul(&qt.dequantize(&dev).unwrap().t().unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
             let norm = exact.iter().map(|v| v * v).sum::<f32>().sqrt();
-            let err = got.iter().zip(&exact).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+            let err = got
+                .iter()
+                .zip(&exact)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f32>()
+                .sqrt();
             assert!(err / norm < 0.01, "relative error {}", err / norm);
-            let via_candle: Vec<f32> =
-                candle_core::quantized::QMatMul::from_qtensor(qt).unwrap().forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            let err_c = via_candle.iter().zip(&exact).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+            let via_candle: Vec<f32> = candle_core::quantized::QMatMul::from_qtensor(qt)
+                .unwrap()
+                .forward(&xt)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let err_c = via_candle
+                .iter()
+                .zip(&exact)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f32>()
+                .sqrt();
             assert!(err <= 1.5 * err_c + 1e-6, "ours {err} vs candle {err_c}");
         }
     }
@@ -285,7 +334,9 @@ impl Q8Matrix {
     /// Row `j` dequantized: an embedding lookup on a tied matrix.
     pub fn row(&self, j: usize) -> Vec<f32> {
         let kb = self.k / BLOCK;
-        (0..self.k).map(|e| self.qs[j * self.k + e] as f32 * self.d[j * kb + e / BLOCK]).collect()
+        (0..self.k)
+            .map(|e| self.qs[j * self.k + e] as f32 * self.d[j * kb + e / BLOCK])
+            .collect()
     }
 }
 
@@ -299,7 +350,9 @@ impl Linear {
     /// `dequantize` forces f32 weights (reference tests).
     pub fn new(t: QTensor, dequantize: bool) -> Result<Self> {
         if dequantize {
-            return Ok(Linear::Candle(candle_core::quantized::QMatMul::Tensor(t.dequantize(&t.device())?)));
+            return Ok(Linear::Candle(candle_core::quantized::QMatMul::Tensor(
+                t.dequantize(&t.device())?,
+            )));
         }
         if supported() && t.device().is_cpu() {
             if let Some(m) = Q8Matrix::from_qtensor(&t)? {

@@ -83,14 +83,20 @@ impl Tokenizer {
         let find = |text: &str| tokens.iter().position(|t| t == text).map(|i| i as u32);
         let special = SpecialTokens {
             bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id").ok_or_else(|| ModelError::MissingMetadata { key: "tokenizer.ggml.eos_token_id".into() })?,
+            eos: id("tokenizer.ggml.eos_token_id").ok_or_else(|| ModelError::MissingMetadata {
+                key: "tokenizer.ggml.eos_token_id".into(),
+            })?,
             end_of_turn: find("<end_of_turn>"),
             start_of_turn: find("<start_of_turn>"),
             add_bos: gguf.bool_or("tokenizer.ggml.add_bos_token", true),
         };
         let add_space_prefix = gguf.bool_or("tokenizer.ggml.add_space_prefix", false);
         let inner = build(&tokens, &scores, &types, add_space_prefix)?;
-        Ok(Tokenizer { inner, special, vocab_size: tokens.len() })
+        Ok(Tokenizer {
+            inner,
+            special,
+            vocab_size: tokens.len(),
+        })
     }
 
     pub fn special(&self) -> &SpecialTokens {
@@ -126,9 +132,23 @@ impl Tokenizer {
     }
 }
 
-fn build(tokens: &[String], scores: &[f32], types: &[i32], add_space_prefix: bool) -> Result<HfTokenizer, ModelError> {
-    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-    let index = |s: &str| vocab.get(s).copied().filter(|&i| types[i as usize] == NORMAL);
+fn build(
+    tokens: &[String],
+    scores: &[f32],
+    types: &[i32],
+    add_space_prefix: bool,
+) -> Result<HfTokenizer, ModelError> {
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let index = |s: &str| {
+        vocab
+            .get(s)
+            .copied()
+            .filter(|&i| types[i as usize] == NORMAL)
+    };
     // (score of the merged piece, left id, right id): higher score merges first.
     let mut merges: Vec<(f32, u32, u32)> = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
@@ -142,10 +162,17 @@ fn build(tokens: &[String], scores: &[f32], types: &[i32], add_space_prefix: boo
         }
     }
     merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    let merges: Vec<(String, String)> =
-        merges.into_iter().map(|(_, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone())).collect();
-    let unk = tokens.iter().position(|t| t == "<unk>").map(|i| tokens[i].clone());
-    let mut builder = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true);
+    let merges: Vec<(String, String)> = merges
+        .into_iter()
+        .map(|(_, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone()))
+        .collect();
+    let unk = tokens
+        .iter()
+        .position(|t| t == "<unk>")
+        .map(|i| tokens[i].clone());
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true);
     if let Some(unk) = unk {
         builder = builder.unk_token(unk);
     }
@@ -156,7 +183,8 @@ fn build(tokens: &[String], scores: &[f32], types: &[i32], add_space_prefix: boo
         normalizers.push(tokenizers::normalizers::prepend::Prepend::new("▁".into()).into());
     }
     normalizers.push(Replace::new(" ", "▁").map_err(tokenizer_error)?.into());
-    tok.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers))).map_err(tokenizer_error)?;
+    tok.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers)))
+        .map_err(tokenizer_error)?;
     let decoders: Vec<DecoderWrapper> = vec![
         tokenizers::decoders::DecoderWrapper::Replace(
             tokenizers::normalizers::replace::Replace::new("▁", " ").map_err(tokenizer_error)?,
@@ -171,7 +199,9 @@ fn build(tokens: &[String], scores: &[f32], types: &[i32], add_space_prefix: boo
         .filter(|(_, &t)| t == CONTROL || t == USER_DEFINED)
         .map(|(text, &t)| AddedToken::from(text.clone(), t == CONTROL).normalized(false))
         .collect();
-    tok.add_special_tokens(added.iter().filter(|a| a.special).cloned()).map_err(tokenizer_error)?;
-    tok.add_tokens(added.iter().filter(|a| !a.special).cloned()).map_err(tokenizer_error)?;
+    tok.add_special_tokens(added.iter().filter(|a| a.special).cloned())
+        .map_err(tokenizer_error)?;
+    tok.add_tokens(added.iter().filter(|a| !a.special).cloned())
+        .map_err(tokenizer_error)?;
     Ok(tok)
 }
