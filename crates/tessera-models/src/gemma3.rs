@@ -221,7 +221,7 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let gate = self.gate.forward(x)?;
         let gate = match self.activation {
-            MlpActivation::Architecture => gate.gelu()?, // gelu, tanh approximation
+            MlpActivation::Architecture => crate::activation::gelu_tanh(&gate)?,
             MlpActivation::Silu => candle_nn::ops::silu(&gate)?,
         };
         self.down.forward(&(gate * self.up.forward(x)?)?)

@@ -6,6 +6,7 @@
 //! [`tessera_kv::LayerSpec`]s and runs every attention read through a
 //! [`tessera_kv::KvCache`] the caller owns: models hold no mutable state.
 
+mod activation;
 mod error;
 pub mod gemma3;
 pub mod gguf;
