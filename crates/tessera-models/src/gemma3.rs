@@ -7,7 +7,7 @@
 //! norm weights already shifted by one, so a weight `w` scales as `x · w`.
 
 use crate::gguf::{q5_0_as_q8_0, GgufFile};
-use crate::q8::Linear;
+use crate::q8::{Linear, Projections};
 use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
@@ -149,9 +149,8 @@ impl Rope {
 }
 
 struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// Query, key and value projections, stacked into one matmul where possible.
+    qkv: Projections,
     o: Linear,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
@@ -175,9 +174,10 @@ impl Attention {
         let split = |t: Tensor, heads: usize, dim: usize| {
             t.reshape((b, n, heads, dim))?.transpose(1, 2)?.contiguous()
         };
-        let q = split(self.q.forward(x)?, self.heads, self.head_dim)?;
-        let k = split(self.k.forward(x)?, self.kv_heads, self.head_dim)?;
-        let v = split(self.v.forward(x)?, self.kv_heads, self.value_dim)?;
+        let [q, k, v]: [Tensor; 3] = self.qkv.forward(x)?.try_into().expect("three projections");
+        let q = split(q, self.heads, self.head_dim)?;
+        let k = split(k, self.kv_heads, self.head_dim)?;
+        let v = split(v, self.kv_heads, self.value_dim)?;
         let q = rope.apply(&self.q_norm.forward(&q)?)?;
         let k = rope.apply(&self.k_norm.forward(&k)?)?;
         Ok(Projected { q, k, v })
@@ -211,20 +211,20 @@ impl Attention {
 }
 
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// Gate and up projections, stacked into one matmul where possible.
+    gate_up: Projections,
     down: Linear,
     activation: MlpActivation,
 }
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let gate = self.gate.forward(x)?;
+        let [gate, up]: [Tensor; 2] = self.gate_up.forward(x)?.try_into().expect("two projections");
         let gate = match self.activation {
             MlpActivation::Architecture => crate::activation::gelu_tanh(&gate)?,
             MlpActivation::Silu => candle_nn::ops::silu(&gate)?,
         };
-        self.down.forward(&(gate * self.up.forward(x)?)?)
+        self.down.forward(&(gate * up)?)
     }
 }
 
@@ -297,9 +297,11 @@ impl Gemma3 {
         for i in 0..c.layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
             let attn = Attention {
-                q: matrix(g, p("attn_q"), c.heads * c.head_dim, c.hidden)?,
-                k: matrix(g, p("attn_k"), c.kv_heads * c.head_dim, c.hidden)?,
-                v: matrix(g, p("attn_v"), c.kv_heads * c.value_dim, c.hidden)?,
+                qkv: Projections::new(vec![
+                    matrix(g, p("attn_q"), c.heads * c.head_dim, c.hidden)?,
+                    matrix(g, p("attn_k"), c.kv_heads * c.head_dim, c.hidden)?,
+                    matrix(g, p("attn_v"), c.kv_heads * c.value_dim, c.hidden)?,
+                ]),
                 o: matrix(g, p("attn_output"), c.hidden, c.heads * c.value_dim)?,
                 q_norm: norm(g, p("attn_q_norm"), c.head_dim)?,
                 k_norm: norm(g, p("attn_k_norm"), c.head_dim)?,
@@ -315,8 +317,7 @@ impl Gemma3 {
                 post_attn_norm: norm(g, p("post_attention_norm"), c.hidden)?,
                 ffn_norm: norm(g, p("ffn_norm"), c.hidden)?,
                 mlp: Mlp {
-                    gate: matrix(g, p("ffn_gate"), c.ffn, c.hidden)?,
-                    up: matrix(g, p("ffn_up"), c.ffn, c.hidden)?,
+                    gate_up: Projections::new(vec![matrix(g, p("ffn_gate"), c.ffn, c.hidden)?, matrix(g, p("ffn_up"), c.ffn, c.hidden)?]),
                     down: matrix(g, p("ffn_down"), c.hidden, c.ffn)?,
                     activation: options.mlp_activation,
                 },

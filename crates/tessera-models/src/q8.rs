@@ -331,6 +331,21 @@ mod tests {
 }
 
 impl Q8Matrix {
+    /// The rows of `parts` stacked into one matrix (all of one width), so projections that
+    /// read the same input run as one matmul: one activation quantization, one dispatch.
+    pub fn stack(parts: Vec<Q8Matrix>) -> Q8Matrix {
+        let k = parts[0].k;
+        assert!(parts.iter().all(|p| p.k == k), "stacked matrices share their width");
+        let n = parts.iter().map(|p| p.n).sum();
+        let mut qs = Vec::with_capacity(n * k);
+        let mut d = Vec::with_capacity(n * k / BLOCK);
+        for p in parts {
+            qs.extend_from_slice(&p.qs);
+            d.extend_from_slice(&p.d);
+        }
+        Q8Matrix { n, k, qs, d }
+    }
+
     /// Row `j` dequantized: an embedding lookup on a tied matrix.
     pub fn row(&self, j: usize) -> Vec<f32> {
         let kb = self.k / BLOCK;
@@ -366,6 +381,43 @@ impl Linear {
         match self {
             Linear::Q8(m) => m.forward(x),
             Linear::Candle(m) => candle_core::Module::forward(m, x),
+        }
+    }
+}
+
+/// Several projections of the same input: one stacked matmul where every part is a
+/// [`Q8Matrix`], separate matmuls otherwise. `forward` returns the parts in order.
+pub enum Projections {
+    Stacked { matrix: Q8Matrix, widths: Vec<usize> },
+    Separate(Vec<Linear>),
+}
+
+impl Projections {
+    pub fn new(parts: Vec<Linear>) -> Self {
+        if parts.iter().all(|p| matches!(p, Linear::Q8(_))) {
+            let mats: Vec<Q8Matrix> = parts.into_iter().map(|p| if let Linear::Q8(m) = p { m } else { unreachable!() }).collect();
+            let widths = mats.iter().map(|m| m.n).collect();
+            return Projections::Stacked { matrix: Q8Matrix::stack(mats), widths };
+        }
+        Projections::Separate(parts)
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            Projections::Stacked { matrix, widths } => {
+                let all = matrix.forward(x)?;
+                let last = all.rank() - 1;
+                let mut start = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = all.narrow(last, start, w);
+                        start += w;
+                        part
+                    })
+                    .collect()
+            }
         }
     }
 }
