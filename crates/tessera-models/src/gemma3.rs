@@ -219,7 +219,11 @@ struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let [gate, up]: [Tensor; 2] = self.gate_up.forward(x)?.try_into().expect("two projections");
+        let [gate, up]: [Tensor; 2] = self
+            .gate_up
+            .forward(x)?
+            .try_into()
+            .expect("two projections");
         let gate = match self.activation {
             MlpActivation::Architecture => crate::activation::gelu_tanh(&gate)?,
             MlpActivation::Silu => candle_nn::ops::silu(&gate)?,
@@ -317,7 +321,10 @@ impl Gemma3 {
                 post_attn_norm: norm(g, p("post_attention_norm"), c.hidden)?,
                 ffn_norm: norm(g, p("ffn_norm"), c.hidden)?,
                 mlp: Mlp {
-                    gate_up: Projections::new(vec![matrix(g, p("ffn_gate"), c.ffn, c.hidden)?, matrix(g, p("ffn_up"), c.ffn, c.hidden)?]),
+                    gate_up: Projections::new(vec![
+                        matrix(g, p("ffn_gate"), c.ffn, c.hidden)?,
+                        matrix(g, p("ffn_up"), c.ffn, c.hidden)?,
+                    ]),
                     down: matrix(g, p("ffn_down"), c.hidden, c.ffn)?,
                     activation: options.mlp_activation,
                 },

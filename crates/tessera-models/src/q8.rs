@@ -22,8 +22,9 @@ pub struct Q8Matrix {
     k: usize,
     /// Codes, row-major `(n, k)`.
     qs: Vec<i8>,
-    /// Block scales `(n, k / 32)`.
-    d: Vec<f32>,
+    /// Block scales `(n, k / 32)`, kept as f16 bits as stored (half the bytes of f32 on
+    /// the memory-bound decode path).
+    d: Vec<u16>,
 }
 
 /// Whether this CPU runs the kernel.
@@ -35,6 +36,7 @@ pub fn supported() -> bool {
             && std::is_x86_feature_detected!("avx512vl")
             && std::is_x86_feature_detected!("avx512vnni")
             && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -52,9 +54,9 @@ impl Q8Matrix {
         let kb = k / BLOCK;
         let data = t.data()?;
         let mut qs = vec![0i8; n * k];
-        let mut d = vec![0f32; n * kb];
+        let mut d = vec![0u16; n * kb];
         for (b, block) in data.chunks_exact(Q8_0_BYTES).enumerate() {
-            let scale = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+            let scale = u16::from_le_bytes([block[0], block[1]]);
             for (dst, &src) in qs[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(&block[2..]) {
                 *dst = src as i8;
             }
@@ -142,7 +144,9 @@ impl Q8Matrix {
                         let a = acts.q[i * self.k + b * BLOCK + e] as i64;
                         dot += a * self.qs[j * self.k + b * BLOCK + e] as i64;
                     }
-                    acc += acts.d[i * kb + b] as f64 * self.d[j * kb + b] as f64 * dot as f64;
+                    acc += acts.d[i * kb + b] as f64
+                        * half::f16::from_bits(self.d[j * kb + b]).to_f64()
+                        * dot as f64;
                 }
                 out[i * self.n + j] = acc as f32;
             }
@@ -181,7 +185,7 @@ impl QuantizedActs {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn kernel<const MR: usize>(
     w: &Q8Matrix,
     a: &QuantizedActs,
@@ -204,7 +208,7 @@ unsafe fn kernel<const MR: usize>(
             wv[c] =
                 _mm256_loadu_si256(w.qs.as_ptr().add(rows[c] * k + b * BLOCK) as *const __m256i);
             wabs[c] = _mm256_sign_epi8(wv[c], wv[c]);
-            dw[c] = _mm256_set1_ps(*w.d.get_unchecked(rows[c] * kb + b));
+            dw[c] = _mm256_set1_ps(f16_bits_to_f32(*w.d.get_unchecked(rows[c] * kb + b)));
         }
         for r in 0..MR {
             let av =
@@ -230,9 +234,16 @@ unsafe fn kernel<const MR: usize>(
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_bits_to_f32(bits: u16) -> f32 {
+    use std::arch::x86_64::*;
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
 /// One weight row against the single activation row (decode).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn row_dot(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
     use std::arch::x86_64::*;
     let k = w.k;
@@ -248,7 +259,7 @@ unsafe fn row_dot(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
             _mm256_sign_epi8(wv, wv),
             _mm256_sign_epi8(av, wv),
         );
-        let scale = _mm256_set1_ps(*wd.add(b) * *a.d.get_unchecked(b));
+        let scale = _mm256_set1_ps(f16_bits_to_f32(*wd.add(b)) * *a.d.get_unchecked(b));
         acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[b & 1]);
     }
     let v = _mm256_add_ps(acc[0], acc[1]);
@@ -335,7 +346,10 @@ impl Q8Matrix {
     /// read the same input run as one matmul: one activation quantization, one dispatch.
     pub fn stack(parts: Vec<Q8Matrix>) -> Q8Matrix {
         let k = parts[0].k;
-        assert!(parts.iter().all(|p| p.k == k), "stacked matrices share their width");
+        assert!(
+            parts.iter().all(|p| p.k == k),
+            "stacked matrices share their width"
+        );
         let n = parts.iter().map(|p| p.n).sum();
         let mut qs = Vec::with_capacity(n * k);
         let mut d = Vec::with_capacity(n * k / BLOCK);
@@ -350,7 +364,10 @@ impl Q8Matrix {
     pub fn row(&self, j: usize) -> Vec<f32> {
         let kb = self.k / BLOCK;
         (0..self.k)
-            .map(|e| self.qs[j * self.k + e] as f32 * self.d[j * kb + e / BLOCK])
+            .map(|e| {
+                self.qs[j * self.k + e] as f32
+                    * half::f16::from_bits(self.d[j * kb + e / BLOCK]).to_f32()
+            })
             .collect()
     }
 }
@@ -388,16 +405,31 @@ impl Linear {
 /// Several projections of the same input: one stacked matmul where every part is a
 /// [`Q8Matrix`], separate matmuls otherwise. `forward` returns the parts in order.
 pub enum Projections {
-    Stacked { matrix: Q8Matrix, widths: Vec<usize> },
+    Stacked {
+        matrix: Q8Matrix,
+        widths: Vec<usize>,
+    },
     Separate(Vec<Linear>),
 }
 
 impl Projections {
     pub fn new(parts: Vec<Linear>) -> Self {
         if parts.iter().all(|p| matches!(p, Linear::Q8(_))) {
-            let mats: Vec<Q8Matrix> = parts.into_iter().map(|p| if let Linear::Q8(m) = p { m } else { unreachable!() }).collect();
+            let mats: Vec<Q8Matrix> = parts
+                .into_iter()
+                .map(|p| {
+                    if let Linear::Q8(m) = p {
+                        m
+                    } else {
+                        unreachable!()
+                    }
+                })
+                .collect();
             let widths = mats.iter().map(|m| m.n).collect();
-            return Projections::Stacked { matrix: Q8Matrix::stack(mats), widths };
+            return Projections::Stacked {
+                matrix: Q8Matrix::stack(mats),
+                widths,
+            };
         }
         Projections::Separate(parts)
     }
