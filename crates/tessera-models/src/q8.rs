@@ -34,6 +34,7 @@ pub fn supported() -> bool {
         std::is_x86_feature_detected!("avx512f")
             && std::is_x86_feature_detected!("avx512bw")
             && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512dq")
             && std::is_x86_feature_detected!("avx512vnni")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
@@ -115,11 +116,20 @@ impl Q8Matrix {
             let mr = (acts.m - i).min(4);
             let mut result = [[0f32; 4]; 4];
             #[cfg(target_arch = "x86_64")]
-            match mr {
-                4 => kernel::<4>(self, acts, i, j0, nr, &mut result),
-                3 => kernel::<3>(self, acts, i, j0, nr, &mut result),
-                2 => kernel::<2>(self, acts, i, j0, nr, &mut result),
-                _ => kernel::<1>(self, acts, i, j0, nr, &mut result),
+            if acts.d2.is_empty() {
+                match mr {
+                    4 => kernel::<4>(self, acts, i, j0, nr, &mut result),
+                    3 => kernel::<3>(self, acts, i, j0, nr, &mut result),
+                    2 => kernel::<2>(self, acts, i, j0, nr, &mut result),
+                    _ => kernel::<1>(self, acts, i, j0, nr, &mut result),
+                }
+            } else {
+                match mr {
+                    4 => kernel512::<4>(self, acts, i, j0, nr, &mut result),
+                    3 => kernel512::<3>(self, acts, i, j0, nr, &mut result),
+                    2 => kernel512::<2>(self, acts, i, j0, nr, &mut result),
+                    _ => kernel512::<1>(self, acts, i, j0, nr, &mut result),
+                }
             }
             for (r, row) in result.iter().enumerate().take(mr) {
                 for (c, v) in row.iter().enumerate().take(nr) {
@@ -160,6 +170,9 @@ struct QuantizedActs {
     m: usize,
     q: Vec<i8>,
     d: Vec<f32>,
+    /// Per pair of blocks, the two scales each repeated 8 times: the 16 lanes of one
+    /// 512-bit step of the multi-row kernel.
+    d2: Vec<f32>,
 }
 
 impl QuantizedActs {
@@ -180,7 +193,14 @@ impl QuantizedActs {
             }
             d[b] = scale;
         }
-        QuantizedActs { m, q, d }
+        let d2 = if m > 1 && kb % 2 == 0 {
+            d.chunks_exact(2)
+                .flat_map(|p| [p[0]; 8].into_iter().chain([p[1]; 8]))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        QuantizedActs { m, q, d, d2 }
     }
 }
 
@@ -230,6 +250,58 @@ unsafe fn kernel<const MR: usize>(
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
             let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
             result[r][c] = _mm_cvtss_f32(s);
+        }
+    }
+}
+
+/// The multi-row tile two blocks (64 bytes) at a time in 512-bit registers: half the
+/// instructions of [`kernel`]. AVX-512 has no byte `sign`, so a·w is formed as
+/// |w| · (a negated where w < 0) with a mask.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn kernel512<const MR: usize>(
+    w: &Q8Matrix,
+    a: &QuantizedActs,
+    i0: usize,
+    j0: usize,
+    nr: usize,
+    result: &mut [[f32; 4]; 4],
+) {
+    use std::arch::x86_64::*;
+    let k = w.k;
+    let kb = k / BLOCK;
+    let pairs = kb / 2;
+    let rows: [usize; 4] = std::array::from_fn(|c| j0 + c.min(nr - 1));
+    let zero = _mm512_setzero_si512();
+    let mut acc = [[_mm512_setzero_ps(); 4]; MR];
+    for p in 0..pairs {
+        let mut wabs = [zero; 4];
+        let mut neg = [0u64; 4];
+        let mut dw = [_mm512_setzero_ps(); 4];
+        for c in 0..4 {
+            let wv = _mm512_loadu_si512(w.qs.as_ptr().add(rows[c] * k + p * 2 * BLOCK) as *const _);
+            wabs[c] = _mm512_abs_epi8(wv);
+            neg[c] = _mm512_movepi8_mask(wv);
+            let lo = _mm512_set1_ps(f16_bits_to_f32(*w.d.get_unchecked(rows[c] * kb + 2 * p)));
+            let hi = _mm256_set1_ps(f16_bits_to_f32(
+                *w.d.get_unchecked(rows[c] * kb + 2 * p + 1),
+            ));
+            dw[c] = _mm512_insertf32x8(lo, hi, 1);
+        }
+        for r in 0..MR {
+            let av = _mm512_loadu_si512(a.q.as_ptr().add((i0 + r) * k + p * 2 * BLOCK) as *const _);
+            let da = _mm512_loadu_ps(a.d2.as_ptr().add(((i0 + r) * pairs + p) * 16));
+            for c in 0..4 {
+                let signed = _mm512_mask_sub_epi8(av, neg[c], zero, av);
+                let dot = _mm512_dpbusd_epi32(zero, wabs[c], signed);
+                acc[r][c] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(da, dw[c]), acc[r][c]);
+            }
+        }
+    }
+    for r in 0..MR {
+        for c in 0..4 {
+            result[r][c] = _mm512_reduce_add_ps(acc[r][c]);
         }
     }
 }
@@ -291,7 +363,8 @@ mod tests {
             return;
         }
         let dev = Device::Cpu;
-        for (m, n, k) in [(1, 13, 640), (5, 64, 64), (9, 30, 256)] {
+        // m = 1 takes the decode path; even block counts the 512-bit tile; k = 96 the 256-bit one.
+        for (m, n, k) in [(1, 13, 640), (5, 64, 64), (9, 30, 256), (3, 7, 96)] {
             let w = Tensor::from_vec(data(n * k, 1), (n, k), &dev).unwrap();
             let qt = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
             let mat = Q8Matrix::from_qtensor(&qt).unwrap().unwrap();
