@@ -34,12 +34,13 @@ pub fn bench(
     prompt_tokens: usize,
     gen_tokens: usize,
     depth: usize,
+    repeat: usize,
     kv: &KvArgs,
     json: bool,
 ) -> Result<()> {
     let scheme = scheme(&kv.kv, kv.kv_start)?;
-    if prompt_tokens == 0 || gen_tokens == 0 {
-        bail!("--prompt-tokens and --gen-tokens must be at least 1");
+    if prompt_tokens == 0 || gen_tokens == 0 || repeat == 0 {
+        bail!("--prompt-tokens, --gen-tokens and --repeat must be at least 1");
     }
     let (model, tok) = load(margs)?;
     if depth + gen_tokens > model.context_length() || prompt_tokens > model.context_length() {
@@ -49,16 +50,27 @@ pub fn bench(
         );
     }
     let bos = tok.special().bos.unwrap_or(2);
-    // Prefill: one fresh cache, the whole prompt in default-size chunks.
+    // Prefill: a fresh cache per run, the whole prompt in default-size chunks; one untimed
+    // warm-up run first, then the mean of `repeat` runs (llama-bench's method).
     let prompt = synthetic_tokens(prompt_tokens, model.vocab_size(), bos);
-    let mut session = Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?;
-    let t = Instant::now();
-    session.feed(&prompt)?;
-    let prefill_tps = prompt_tokens as f64 / t.elapsed().as_secs_f64();
+    let mut rates = Vec::with_capacity(repeat);
+    for run in 0..=repeat {
+        let mut session = Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?;
+        let t = Instant::now();
+        session.feed(&prompt)?;
+        if run > 0 {
+            rates.push(prompt_tokens as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    let prefill_tps = rates.iter().sum::<f64>() / rates.len() as f64;
+    let prefill_sd =
+        (rates.iter().map(|r| (r - prefill_tps).powi(2)).sum::<f64>() / rates.len() as f64).sqrt();
     // Decode: `depth` tokens of context first (not timed), then greedy steps.
     let mut session = Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?;
     let context = synthetic_tokens(depth.max(1), model.vocab_size(), bos);
     let mut logits = session.feed(&context)?;
+    // One untimed step warms the decode path.
+    logits = session.forward(&[argmax(&logits)], LogitsMode::Last)?;
     let t = Instant::now();
     for _ in 0..gen_tokens {
         let next = argmax(&logits);
@@ -71,7 +83,7 @@ pub fn bench(
         println!(
             "{}",
             serde_json::json!({
-                "model": model.architecture(), "kv": kv.kv, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps,
+                "model": model.architecture(), "kv": kv.kv, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
                 "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps,
                 "peak_rss_bytes": rss, "kv_bytes_per_token": cache.bytes_per_token(), "kv_allocated_bytes": cache.allocated_bytes(),
             })
@@ -83,7 +95,7 @@ pub fn bench(
             kv.kv,
             candle_core::utils::get_num_threads()
         );
-        println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} tok/s");
+        println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up)");
         println!("decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth})");
         println!(
             "peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated",

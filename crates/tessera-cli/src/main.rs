@@ -149,6 +149,9 @@ enum Command {
         /// Context already in the cache before decode is timed.
         #[arg(long, default_value_t = 0)]
         depth: usize,
+        /// Timed prefill runs (after one untimed warm-up run).
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
         #[command(flatten)]
         kv: KvArgs,
         #[arg(long)]
@@ -225,9 +228,10 @@ fn run(cli: Cli) -> Result<()> {
             prompt_tokens,
             gen_tokens,
             depth,
+            repeat,
             kv,
             json,
-        } => bench::bench(&model, prompt_tokens, gen_tokens, depth, &kv, json),
+        } => bench::bench(&model, prompt_tokens, gen_tokens, depth, repeat, &kv, json),
         Command::Model {
             action: ModelAction::Fetch,
         } => commands::fetch(),
