@@ -1,3 +1,6 @@
+// Each test binary uses a different subset of these helpers.
+#![allow(dead_code)]
+
 //! Shared by the model tests: where the default model and the shared corpus live.
 
 use candle_core::Device;
