@@ -165,6 +165,21 @@ impl Q8Matrix {
     }
 }
 
+/// Q8_0 blocks of `x` as llama.cpp forms them: scale max|x| / 127, codes rounded half away
+/// from zero (written out so that it vectorizes instead of calling libm's `roundf`).
+fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    for ((src, dst), scale_out) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).zip(d.iter_mut()) {
+        let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        for (o, v) in dst.iter_mut().zip(src) {
+            let y = v * inv;
+            *o = (y + 0.5f32.copysign(y)).trunc() as i8;
+        }
+        *scale_out = scale;
+    }
+}
+
 /// Activations quantized to Q8_0 blocks.
 struct QuantizedActs {
     m: usize,
@@ -180,19 +195,22 @@ impl QuantizedActs {
         let kb = k / BLOCK;
         let mut q = vec![0i8; m * k];
         let mut d = vec![0f32; m * kb];
-        for (b, (src, dst)) in x
-            .chunks_exact(BLOCK)
-            .zip(q.chunks_exact_mut(BLOCK))
-            .enumerate()
-        {
-            let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let scale = amax / 127.0;
-            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            for (o, v) in dst.iter_mut().zip(src) {
-                *o = (v * inv).round() as i8;
+        // Rows in parallel for prefill-sized inputs.
+        const ROWS: usize = 16;
+        let (qp, dp) = (q.as_mut_ptr() as usize, d.as_mut_ptr() as usize);
+        candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(ROWS), |range| {
+            for chunk in range {
+                let rows = chunk * ROWS..((chunk + 1) * ROWS).min(m);
+                // SAFETY: row chunks are disjoint.
+                let (q, d) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut((qp as *mut i8).add(rows.start * k), rows.len() * k),
+                        std::slice::from_raw_parts_mut((dp as *mut f32).add(rows.start * kb), rows.len() * kb),
+                    )
+                };
+                quantize_blocks(&x[rows.start * k..rows.end * k], q, d);
             }
-            d[b] = scale;
-        }
+        });
         let d2 = if m > 1 && kb % 2 == 0 {
             d.chunks_exact(2)
                 .flat_map(|p| [p[0]; 8].into_iter().chain([p[1]; 8]))
