@@ -6,6 +6,38 @@ use crate::KvError;
 use candle_core::{DType, Tensor, D};
 use std::marker::PhantomData;
 
+/// Queries per block of a chunked (causal) dense read.
+const QUERY_BLOCK: usize = 128;
+
+/// Scaled dot-product attention of `q` `(b, q_heads, n, d)` over `keys`/`values`
+/// `(b, kv_heads, s, dim)` with an optional additive mask `(b, 1, n, s)`.
+fn attend_dense(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f32,
+) -> Result<Tensor, KvError> {
+    let (b, qh, n, d) = q.dims4()?;
+    let (_, kvh, s, _) = keys.dims4()?;
+    let dv = values.dims()[3];
+    let g = qh / kvh;
+    // Query heads h = kv * g + i share KV head kv: fold them into the query axis so each
+    // KV head's keys are multiplied once for its whole group.
+    let q = q.contiguous()?.reshape((b, kvh, g * n, d))?;
+    let scores = (q.matmul(&keys.t()?)? * scale as f64)?; // (b, kvh, g*n, s)
+    let scores = match mask {
+        Some(mask) => scores
+            .reshape((b, kvh, g, n, s))?
+            .broadcast_add(&mask.unsqueeze(1)?)?
+            .reshape((b, kvh, g * n, s))?,
+        None => scores,
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    let out = probs.matmul(values)?; // (b, kvh, g*n, dv)
+    Ok(out.reshape((b, qh, n, dv))?)
+}
+
 /// Keys `(rows, kv_heads, keys, head_dim)` and values `(rows, kv_heads, keys, value_dim)` in
 /// f32, plus an additive mask `(rows, 1, queries, keys)` when some query may not see some key.
 /// Borrowing the cache keeps it from changing while the read is alive.
@@ -84,21 +116,26 @@ impl<'a> AttentionRead<'a> {
                 detail: format!("keys are {:?}", self.keys.dims()),
             });
         }
-        let g = qh / kvh;
-        // Query heads h = kv * g + i share KV head kv: fold them into the query axis so each
-        // KV head's keys are multiplied once for its whole group.
-        let q = q.contiguous()?.reshape((b, kvh, g * n, d))?;
-        let scores = (q.matmul(&self.keys.t()?)? * scale as f64)?; // (b, kvh, g*n, s)
-        let scores = match &self.mask {
-            Some(mask) => scores
-                .reshape((b, kvh, g, n, s))?
-                .broadcast_add(&mask.unsqueeze(1)?)?
-                .reshape((b, kvh, g * n, s))?,
-            None => scores,
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.matmul(&self.values)?; // (b, kvh, g*n, dv)
-        Ok(out.reshape((b, qh, n, dv))?)
+        // Causal chunks in blocks of queries, each against the keys up to its last position
+        // only: the masked upper triangle is never multiplied. A dense read's keys end with
+        // the chunk's own positions, so block [i0, i0 + len) sees the first s - n + i0 + len.
+        if let (Some(mask), true) = (&self.mask, n > QUERY_BLOCK) {
+            let mut outs = Vec::with_capacity(n.div_ceil(QUERY_BLOCK));
+            for i0 in (0..n).step_by(QUERY_BLOCK) {
+                let len = QUERY_BLOCK.min(n - i0);
+                let limit = s - (n - (i0 + len));
+                outs.push(attend_dense(
+                    &q.narrow(2, i0, len)?,
+                    &self.keys.narrow(2, 0, limit)?,
+                    &self.values.narrow(2, 0, limit)?,
+                    Some(&mask.narrow(2, i0, len)?.narrow(3, 0, limit)?),
+                    scale,
+                )?);
+            }
+            return Ok(Tensor::cat(&outs, 2)?);
+        }
+        let _ = dv;
+        attend_dense(q, &self.keys, &self.values, self.mask.as_ref(), scale)
     }
 
     fn attend_decode(&self, q: &Tensor, rows: &[RowSlots], scale: f32) -> Result<Tensor, KvError> {

@@ -177,6 +177,12 @@ fn window_ring_wraps_in_chunks_and_decode() {
 }
 
 #[test]
+fn long_chunks_in_query_blocks_with_window_and_padding() {
+    run_case(1, 2, 32, Some(100), vec![0, 7], &[150, 1, 300, 1], 4);
+    run_case(2, 2, 16, None, vec![3, 0], &[129, 257, 1], 5);
+}
+
+#[test]
 fn left_padded_rows_with_window() {
     run_case(1, 2, 16, Some(8), vec![0, 3, 6], &[7, 1, 1, 12, 1], 3);
 }

@@ -168,7 +168,11 @@ impl Q8Matrix {
 /// Q8_0 blocks of `x` as llama.cpp forms them: scale max|x| / 127, codes rounded half away
 /// from zero (written out so that it vectorizes instead of calling libm's `roundf`).
 fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32]) {
-    for ((src, dst), scale_out) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).zip(d.iter_mut()) {
+    for ((src, dst), scale_out) in x
+        .chunks_exact(BLOCK)
+        .zip(q.chunks_exact_mut(BLOCK))
+        .zip(d.iter_mut())
+    {
         let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
         let scale = amax / 127.0;
         let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
@@ -204,8 +208,14 @@ impl QuantizedActs {
                 // SAFETY: row chunks are disjoint.
                 let (q, d) = unsafe {
                     (
-                        std::slice::from_raw_parts_mut((qp as *mut i8).add(rows.start * k), rows.len() * k),
-                        std::slice::from_raw_parts_mut((dp as *mut f32).add(rows.start * kb), rows.len() * kb),
+                        std::slice::from_raw_parts_mut(
+                            (qp as *mut i8).add(rows.start * k),
+                            rows.len() * k,
+                        ),
+                        std::slice::from_raw_parts_mut(
+                            (dp as *mut f32).add(rows.start * kb),
+                            rows.len() * kb,
+                        ),
                     )
                 };
                 quantize_blocks(&x[rows.start * k..rows.end * k], q, d);
