@@ -16,6 +16,7 @@
 //! [`KvCache`] holds one [`LayerCache`] per model layer, built from the model's
 //! [`LayerSpec`]s and a [`KvScheme`].
 
+pub mod affine;
 mod cache;
 mod decode;
 mod error;
