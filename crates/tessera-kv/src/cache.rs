@@ -1,9 +1,10 @@
 //! Layer caches: one codec's planes, one retention policy and the rows, composed.
 
+use crate::affine_planes::AffinePlanes;
 use crate::decode::RowSlots;
 use crate::plain::PlainPlanes;
 use crate::rows::Rows;
-use crate::{AttentionRead, Codec, KvError, KvScheme, LayerSpec, Retention};
+use crate::{AttentionRead, Codec, KvError, KvScheme, LayerSpec, PlainDType, Retention};
 use candle_core::Tensor;
 
 /// What a model's attention layer sees: append new keys and values, get back a read.
@@ -22,26 +23,176 @@ pub trait AttentionCache {
     fn signature(&self) -> String;
 }
 
+/// Storage planes of one codec. Both kinds write and read contiguous slot ranges; the
+/// retention policy decides the slots.
+#[derive(Debug)]
+enum Planes {
+    Plain(PlainPlanes),
+    Affine(AffinePlanes),
+}
+
+impl Planes {
+    fn reserve(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        slots: usize,
+        limit: usize,
+    ) -> Result<(), KvError> {
+        match self {
+            Planes::Plain(p) => p.reserve(k, v, slots, limit),
+            Planes::Affine(p) => {
+                p.reserve(slots, limit);
+                Ok(())
+            }
+        }
+    }
+
+    fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+        match self {
+            Planes::Plain(p) => p.write(slot, k, v),
+            Planes::Affine(p) => p.write(slot, k, v),
+        }
+    }
+
+    fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
+        match self {
+            Planes::Plain(p) => p.read(slot, len),
+            Planes::Affine(p) => p.read(slot, len),
+        }
+    }
+
+    fn as_stored(&self, x: &Tensor) -> Result<Tensor, KvError> {
+        match self {
+            Planes::Plain(p) => p.as_stored(x),
+            Planes::Affine(p) => p.as_stored(x),
+        }
+    }
+
+    fn allocated_bytes(&self) -> usize {
+        match self {
+            Planes::Plain(p) => p.allocated_bytes(),
+            Planes::Affine(p) => p.allocated_bytes(),
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        match self {
+            Planes::Plain(p) => p.capacity(),
+            Planes::Affine(p) => p.capacity(),
+        }
+    }
+
+    fn signature(&self) -> String {
+        match self {
+            Planes::Plain(p) => format!("plain:{}", p.dtype().name()),
+            Planes::Affine(p) => format!("affine:{}:{}", p.bits(), p.group()),
+        }
+    }
+}
+
 /// The cache of one attention layer.
 #[derive(Debug)]
 pub struct LayerCache {
     layer: usize,
     spec: LayerSpec,
-    planes: PlainPlanes,
+    planes: Planes,
     rows: Rows,
+    /// The quantized codec this layer converts to (the seeds' bf16-first lego), and the
+    /// number of positions it holds in bf16 first.
+    target: Option<Codec>,
+    start: usize,
+    minimum_reusable_offset: Option<usize>,
 }
 
 impl LayerCache {
-    pub fn new(layer: usize, spec: LayerSpec, codec: Codec, left_pad: Vec<usize>) -> Self {
-        let planes = match codec {
-            Codec::Plain(dtype) => PlainPlanes::new(dtype),
+    /// A layer cache for `codec`. A quantized codec starts as bf16 storage and converts
+    /// inside the first append that leaves it holding at least `quantized_kv_start`
+    /// positions (the first append when that is 0).
+    pub fn new(
+        layer: usize,
+        spec: LayerSpec,
+        codec: Codec,
+        quantized_kv_start: usize,
+        left_pad: Vec<usize>,
+    ) -> Result<Self, KvError> {
+        if let Codec::Affine { group, .. } = codec {
+            for dim in [spec.head_dim, spec.value_dim] {
+                if dim % group as usize != 0 {
+                    return Err(KvError::GroupDoesNotDivide {
+                        layer,
+                        dim,
+                        group: group as usize,
+                    });
+                }
+            }
+        }
+        let (planes, target) = match codec {
+            Codec::Plain(dtype) => (Planes::Plain(PlainPlanes::new(dtype)), None),
+            quantized => (
+                Planes::Plain(PlainPlanes::new(PlainDType::Bf16)),
+                Some(quantized),
+            ),
         };
-        LayerCache {
+        Ok(LayerCache {
             layer,
             spec,
             planes,
             rows: Rows::new(left_pad),
+            target,
+            start: quantized_kv_start,
+            minimum_reusable_offset: None,
+        })
+    }
+
+    /// The earliest prefix a saved copy of this cache may be reused from: the offset at
+    /// which a nonzero `quantized_kv_start` converted it.
+    pub fn minimum_reusable_offset(&self) -> Option<usize> {
+        self.minimum_reusable_offset
+    }
+
+    /// Whether the storage is still the bf16 stage of a quantized codec.
+    pub fn awaiting_conversion(&self) -> bool {
+        self.target.is_some() && matches!(self.planes, Planes::Plain(_))
+    }
+
+    /// The bf16-first transition: once an append leaves the bf16 stage holding at least
+    /// `start` positions (and never while empty), quantize every stored slot into the target
+    /// codec's planes and drop the bf16 planes. Irreversible; the slots (and so a ring's write
+    /// index) carry over unchanged.
+    fn convert_if_due(&mut self) -> Result<(), KvError> {
+        let end = self.rows.end();
+        let Some(Codec::Affine { bits, group }) = self.target else {
+            return Ok(());
+        };
+        if !self.awaiting_conversion() || end < self.start || end == 0 {
+            return Ok(());
         }
+        let used = match self.spec.retention {
+            Retention::Full => end,
+            Retention::Window { size } => end.min(size),
+        };
+        let mut affine = AffinePlanes::new(
+            bits,
+            group as usize,
+            self.rows.batch(),
+            self.spec.kv_heads,
+            self.spec.head_dim,
+            self.spec.value_dim,
+        );
+        let limit = match self.spec.retention {
+            Retention::Full => usize::MAX,
+            Retention::Window { size } => size,
+        };
+        affine.reserve(used.max(self.planes.capacity().min(limit)), limit);
+        let (k, v) = self.planes.read(0, used)?;
+        affine.write(0, &k, &v)?;
+        // The bf16 source is freed here, before any other layer converts.
+        self.planes = Planes::Affine(affine);
+        if self.start > 0 {
+            self.minimum_reusable_offset = Some(end);
+        }
+        Ok(())
     }
 
     pub fn spec(&self) -> &LayerSpec {
@@ -81,7 +232,7 @@ impl LayerCache {
         self.check(k, v)?;
         let n = k.dims()[2];
         let start = self.rows.end();
-        if n == 1 {
+        if n == 1 && matches!(self.planes, Planes::Plain(_)) {
             return self.append_one(k, v);
         }
         let device = k.device().clone();
@@ -117,6 +268,9 @@ impl LayerCache {
         };
         let mask = self.rows.mask(n, &positions, window, &device)?;
         self.rows.advance(n);
+        // The read above holds its own copies, so this append is read as stored before it;
+        // conversion happens inside the append, before it returns.
+        self.convert_if_due()?;
         Ok(AttentionRead::dense(keys, values, mask))
     }
 
@@ -152,8 +306,14 @@ impl LayerCache {
             })
             .collect();
         self.rows.advance(1);
-        let (keys, values) = self.planes.planes();
-        Ok(AttentionRead::decode(keys.clone(), values.clone(), rows))
+        let Planes::Plain(plain) = &self.planes else {
+            unreachable!("fused decode reads plain planes")
+        };
+        let (keys, values) = plain.planes();
+        let (keys, values) = (keys.clone(), values.clone());
+        // The read keeps the bf16 planes alive; converting drops only the cache's handle.
+        self.convert_if_due()?;
+        Ok(AttentionRead::decode(keys, values, rows))
     }
 
     /// Positions `first .. first + len` of a ring of `size` slots, in temporal order.
@@ -245,14 +405,31 @@ impl AttentionCache for LayerCache {
     }
 
     fn bytes_per_token(&self) -> usize {
-        let per_row = self.spec.kv_heads
-            * (self.spec.head_dim + self.spec.value_dim)
-            * self.planes.dtype().size_in_bytes();
+        let per_row = match (&self.planes, self.target) {
+            (Planes::Affine(p), _) => p.bytes_per_position(),
+            (Planes::Plain(_), Some(Codec::Affine { bits, group })) => AffinePlanes::new(
+                bits,
+                group as usize,
+                1,
+                self.spec.kv_heads,
+                self.spec.head_dim,
+                self.spec.value_dim,
+            )
+            .bytes_per_position(),
+            (Planes::Plain(p), _) => {
+                self.spec.kv_heads
+                    * (self.spec.head_dim + self.spec.value_dim)
+                    * p.dtype().size_in_bytes()
+            }
+        };
         per_row * self.rows.batch()
     }
 
     fn signature(&self) -> String {
-        let codec = format!("plain:{}", self.planes.dtype().name());
+        let codec = match self.target {
+            Some(Codec::Affine { bits, group }) => format!("bf16-first:affine:{bits}:{group}"),
+            _ => self.planes.signature(),
+        };
         match self.spec.retention {
             Retention::Full => format!("kv:{codec}"),
             Retention::Window { size } => format!("kv:window{size}:{codec}"),
@@ -270,13 +447,25 @@ pub struct KvCache {
 impl KvCache {
     /// Builds one layer cache per spec; `left_pad[row]` is the padding before row `row`'s
     /// first real token (all zeros for a single sequence).
-    pub fn new(specs: &[LayerSpec], scheme: &KvScheme, left_pad: Vec<usize>) -> Self {
+    pub fn new(
+        specs: &[LayerSpec],
+        scheme: &KvScheme,
+        left_pad: Vec<usize>,
+    ) -> Result<Self, KvError> {
         let layers = specs
             .iter()
             .enumerate()
-            .map(|(i, spec)| LayerCache::new(i, *spec, scheme.codec_for(i), left_pad.clone()))
-            .collect();
-        KvCache { layers, left_pad }
+            .map(|(i, spec)| {
+                LayerCache::new(
+                    i,
+                    *spec,
+                    scheme.codec_for(i),
+                    scheme.quantized_kv_start,
+                    left_pad.clone(),
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(KvCache { layers, left_pad })
     }
 
     pub fn layer_mut(&mut self, layer: usize) -> &mut LayerCache {

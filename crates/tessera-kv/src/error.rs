@@ -9,6 +9,18 @@ pub enum KvError {
         supported: &'static str,
     },
 
+    #[error("affine KV with {bits} bits and group {group} is not supported (bits: 2, 3, 4, 5, 6, 8; groups: 32, 64, 128)")]
+    UnsupportedAffine { bits: u32, group: u32 },
+
+    #[error(
+        "layer {layer}: head dimension {dim} is not divisible by the quantization group {group}"
+    )]
+    GroupDoesNotDivide {
+        layer: usize,
+        dim: usize,
+        group: usize,
+    },
+
     #[error("layer {layer}: cannot trim {requested} positions from a sliding-window ring of {window} that has wrapped ({held} positions appended); the evicted positions are gone")]
     TrimWrappedRing {
         layer: usize,

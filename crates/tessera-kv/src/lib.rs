@@ -17,6 +17,7 @@
 //! [`LayerSpec`]s and a [`KvScheme`].
 
 pub mod affine;
+pub mod affine_planes;
 mod cache;
 mod decode;
 mod error;

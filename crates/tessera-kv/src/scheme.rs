@@ -42,12 +42,23 @@ impl PlainDType {
 pub enum Codec {
     /// Keys and values stored as they come, in one float dtype.
     Plain(PlainDType),
+    /// Affine-quantized (mlx's layout and rounding; see [`crate::affine`]), held in bf16
+    /// until the layer holds `quantized_kv_start` positions.
+    Affine { bits: u8, group: u16 },
+}
+
+impl Codec {
+    /// Whether this codec quantizes (and so starts in bf16 and converts).
+    pub fn is_quantized(&self) -> bool {
+        !matches!(self, Codec::Plain(_))
+    }
 }
 
 impl fmt::Display for Codec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Codec::Plain(d) => f.write_str(d.name()),
+            Codec::Affine { bits, group } => write!(f, "affine:{bits}:{group}"),
         }
     }
 }
@@ -79,7 +90,7 @@ pub struct KvScheme {
     pub quantized_kv_start: usize,
 }
 
-const SUPPORTED: &str = "bf16, f16, f32";
+const SUPPORTED: &str = "bf16, f16, f32, affine:BITS[:GROUP]";
 
 impl KvScheme {
     pub fn uniform(codec: Codec) -> Self {
@@ -90,20 +101,9 @@ impl KvScheme {
         }
     }
 
-    /// Parses a `--kv` value such as `bf16`.
+    /// Parses a `--kv` value such as `bf16`, `affine:4` or `affine:8:32`.
     pub fn parse(text: &str) -> Result<Self, KvError> {
-        let codec = match text.trim().to_ascii_lowercase().as_str() {
-            "bf16" => Codec::Plain(PlainDType::Bf16),
-            "f16" | "fp16" => Codec::Plain(PlainDType::F16),
-            "f32" | "fp32" => Codec::Plain(PlainDType::F32),
-            _ => {
-                return Err(KvError::UnknownScheme {
-                    given: text.to_string(),
-                    supported: SUPPORTED,
-                })
-            }
-        };
-        Ok(Self::uniform(codec))
+        Ok(Self::uniform(Codec::parse(text)?))
     }
 
     /// The codec layer `layer` uses.
@@ -114,6 +114,47 @@ impl KvScheme {
             .find(|(l, _)| *l == layer)
             .map(|(_, c)| *c)
             .unwrap_or(self.default)
+    }
+}
+
+impl Codec {
+    /// Parses one codec name: `bf16`, `f16`, `f32`, `affine:BITS[:GROUP]` (group 64 by default).
+    pub fn parse(text: &str) -> Result<Self, KvError> {
+        let unknown = || KvError::UnknownScheme {
+            given: text.to_string(),
+            supported: SUPPORTED,
+        };
+        let lower = text.trim().to_ascii_lowercase();
+        let mut parts = lower.split(':');
+        let codec = match parts.next().unwrap_or("") {
+            "bf16" => Codec::Plain(PlainDType::Bf16),
+            "f16" | "fp16" => Codec::Plain(PlainDType::F16),
+            "f32" | "fp32" => Codec::Plain(PlainDType::F32),
+            "affine" => {
+                let bits: u32 = parts
+                    .next()
+                    .and_then(|b| b.parse().ok())
+                    .ok_or_else(unknown)?;
+                let group: u32 = match parts.next() {
+                    Some(g) => g.parse().map_err(|_| unknown())?,
+                    None => 64,
+                };
+                if !crate::affine::AFFINE_BITS.contains(&(bits.min(255) as u8))
+                    || !crate::affine::AFFINE_GROUPS.contains(&(group.min(65535) as u16))
+                {
+                    return Err(KvError::UnsupportedAffine { bits, group });
+                }
+                Codec::Affine {
+                    bits: bits as u8,
+                    group: group as u16,
+                }
+            }
+            _ => return Err(unknown()),
+        };
+        if parts.next().is_some() {
+            return Err(unknown());
+        }
+        Ok(codec)
     }
 }
 

@@ -91,6 +91,67 @@ fn run_case(
     chunks: &[usize],
     seed: u64,
 ) {
+    run_case_codec(
+        kvh,
+        group,
+        d,
+        window,
+        pads,
+        chunks,
+        seed,
+        Codec::Plain(PlainDType::F32),
+    );
+}
+
+/// What a read returns for one stored position: f32 as given; an affine codec, bf16 values
+/// during the converting append (`quantized == false`) and quantized ones after.
+fn stored(codec: Codec, x: &[f32], quantized: bool) -> Vec<f32> {
+    match codec {
+        Codec::Plain(PlainDType::F32) => x.to_vec(),
+        Codec::Affine { bits, group } => {
+            let t = Tensor::from_vec(x.to_vec(), (1, 1, 1, x.len()), &Device::Cpu).unwrap();
+            if quantized {
+                let planes = tessera_kv::affine_planes::AffinePlanes::new(
+                    bits,
+                    group as usize,
+                    1,
+                    1,
+                    x.len(),
+                    x.len(),
+                );
+                planes
+                    .as_stored(&t)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            } else {
+                t.to_dtype(candle_core::DType::BF16)
+                    .unwrap()
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            }
+        }
+        other => panic!("no reference for {other:?}"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_case_codec(
+    kvh: usize,
+    group: usize,
+    d: usize,
+    window: Option<usize>,
+    pads: Vec<usize>,
+    chunks: &[usize],
+    seed: u64,
+    codec: Codec,
+) {
     let b = pads.len();
     let qh = kvh * group;
     let spec = LayerSpec {
@@ -99,8 +160,12 @@ fn run_case(
         value_dim: d,
         retention: window.map_or(Retention::Full, |size| Retention::Window { size }),
     };
-    let scheme = KvScheme::uniform(Codec::Plain(PlainDType::F32));
-    let mut cache = KvCache::new(&[spec], &scheme, pads.clone());
+    let scheme = KvScheme::uniform(codec);
+    let mut cache = KvCache::new(&[spec], &scheme, pads.clone()).unwrap();
+    let mut raw = Reference {
+        keys: vec![vec![Vec::new(); kvh]; b],
+        values: vec![vec![Vec::new(); kvh]; b],
+    };
     let mut reference = Reference {
         keys: vec![vec![Vec::new(); kvh]; b],
         values: vec![vec![Vec::new(); kvh]; b],
@@ -116,9 +181,23 @@ fn run_case(
             for h in 0..kvh {
                 for i in 0..n {
                     let at = ((row * kvh + h) * n + i) * d;
-                    reference.keys[row][h].push(kd[at..at + d].to_vec());
-                    reference.values[row][h].push(vd[at..at + d].to_vec());
+                    raw.keys[row][h].push(kd[at..at + d].to_vec());
+                    raw.values[row][h].push(vd[at..at + d].to_vec());
                 }
+            }
+        }
+        // With start 0 the first append reads bf16 and every later one quantized values.
+        let quantized = start > 0;
+        for row in 0..b {
+            for h in 0..kvh {
+                reference.keys[row][h] = raw.keys[row][h]
+                    .iter()
+                    .map(|x| stored(codec, x, quantized))
+                    .collect();
+                reference.values[row][h] = raw.values[row][h]
+                    .iter()
+                    .map(|x| stored(codec, x, quantized))
+                    .collect();
             }
         }
         let layer = cache.layer_mut(0);
@@ -200,7 +279,8 @@ fn trim_full_then_continue_and_wrapped_ring_refuses() {
         &[spec(Retention::Full), spec(Retention::Window { size: 4 })],
         &scheme,
         vec![0],
-    );
+    )
+    .unwrap();
     let mut seed = 9;
     for layer in 0..2 {
         let (k, _) = random((1, 1, 3, 8), &mut seed);
@@ -237,7 +317,8 @@ fn wrong_shapes_are_typed_errors() {
         &[spec],
         &KvScheme::uniform(Codec::Plain(PlainDType::F32)),
         vec![0],
-    );
+    )
+    .unwrap();
     let mut seed = 1;
     let (k, _) = random((1, 1, 3, 8), &mut seed);
     let err = cache
@@ -285,7 +366,8 @@ fn fused_bf16_decode_equals_dense_reference() {
             &[spec],
             &KvScheme::uniform(Codec::Plain(PlainDType::Bf16)),
             vec![0, 5, 2],
-        );
+        )
+        .unwrap();
         let mut seed = 42;
         let (k, _) = random((3, 2, 30, 64), &mut seed);
         let (v, _) = random((3, 2, 30, 64), &mut seed);
@@ -319,4 +401,118 @@ fn fused_bf16_decode_equals_dense_reference() {
             }
         }
     }
+}
+
+#[test]
+fn affine_reads_match_reference_through_the_transition() {
+    for codec in [
+        Codec::Affine { bits: 4, group: 32 },
+        Codec::Affine { bits: 3, group: 64 },
+        Codec::Affine { bits: 8, group: 64 },
+    ] {
+        run_case_codec(1, 4, 64, None, vec![0], &[9, 1, 40, 1, 1], 11, codec);
+        run_case_codec(
+            1,
+            2,
+            64,
+            Some(16),
+            vec![0, 3],
+            &[5, 30, 1, 1, 20, 1],
+            12,
+            codec,
+        );
+    }
+}
+
+/// Quantizing on append and converting later from bf16 storage store the same codes: the
+/// next read is bit for bit the same.
+#[test]
+fn bf16_first_conversion_equals_quantizing_after_the_fact() {
+    for retention in [Retention::Full, Retention::Window { size: 24 }] {
+        let spec = LayerSpec {
+            kv_heads: 1,
+            head_dim: 64,
+            value_dim: 64,
+            retention,
+        };
+        let mut seed = 5;
+        let chunks: Vec<(Tensor, Tensor)> = [12usize, 20, 9]
+            .iter()
+            .map(|&n| {
+                (
+                    random((1, 1, n, 64), &mut seed).0,
+                    random((1, 1, n, 64), &mut seed).0,
+                )
+            })
+            .collect();
+        let (kd, _) = random((1, 1, 1, 64), &mut seed);
+        let (q, _) = random((1, 4, 1, 64), &mut seed);
+        let outputs: Vec<Vec<f32>> = [0usize, 41]
+            .iter()
+            .map(|&start| {
+                let mut scheme = KvScheme::uniform(Codec::Affine { bits: 4, group: 64 });
+                scheme.quantized_kv_start = start;
+                let mut cache = KvCache::new(&[spec], &scheme, vec![0]).unwrap();
+                for (k, v) in &chunks {
+                    cache.layer_mut(0).append_window(k, v).unwrap();
+                }
+                assert!(
+                    !cache.layers()[0].awaiting_conversion(),
+                    "start {start}: converted by now"
+                );
+                assert_eq!(
+                    cache.layers()[0].minimum_reusable_offset(),
+                    (start > 0).then_some(41)
+                );
+                let read = cache.layer_mut(0).append_decode(&kd, &kd).unwrap();
+                read.attend(&q, 0.125)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(outputs[0], outputs[1], "{retention:?}");
+    }
+}
+
+#[test]
+fn affine_accounting_signature_trim_and_bad_group() {
+    let spec = LayerSpec {
+        kv_heads: 1,
+        head_dim: 256,
+        value_dim: 256,
+        retention: Retention::Full,
+    };
+    let scheme = KvScheme::parse("affine:4").unwrap();
+    let mut cache = KvCache::new(&[spec], &scheme, vec![0]).unwrap();
+    let bf16 = KvCache::new(&[spec], &KvScheme::parse("bf16").unwrap(), vec![0]).unwrap();
+    // 4 bits + a 16-bit scale and bias per 64 elements: 4.5 bits per element.
+    assert_eq!(cache.bytes_per_token() * 8, (256 + 256) * 9 / 2);
+    assert!((cache.bytes_per_token() as f64) <= 0.30 * bf16.bytes_per_token() as f64);
+    assert_eq!(
+        cache.signatures(),
+        vec!["kv:bf16-first:affine:4:64".to_string()]
+    );
+    let mut seed = 3;
+    let (k, _) = random((1, 1, 10, 256), &mut seed);
+    cache.layer_mut(0).append_window(&k, &k).unwrap();
+    assert!(!cache.layers()[0].awaiting_conversion());
+    cache.trim(4).unwrap();
+    assert_eq!(cache.end(), 6);
+    assert!(
+        !cache.layers()[0].awaiting_conversion(),
+        "trimming never converts back"
+    );
+    let odd = LayerSpec {
+        kv_heads: 1,
+        head_dim: 96,
+        value_dim: 96,
+        retention: Retention::Full,
+    };
+    let err = KvCache::new(&[spec, odd], &scheme, vec![0])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("layer 1") && err.contains("96"), "{err}");
 }
