@@ -122,6 +122,16 @@ fn unknown_kv_scheme() {
         "q3_weird",
     ]);
     assert_clean_error(code, &err, "unknown KV scheme `q3_weird`");
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        model().to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--kv",
+        "affine:7",
+    ]);
+    assert_clean_error(code, &err, "7 bits and group 64 is not supported");
 }
 
 #[test]
