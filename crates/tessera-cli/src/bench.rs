@@ -1,6 +1,6 @@
 //! `tessera bench`: prefill and decode throughput, peak RSS and KV bytes.
 
-use crate::commands::{load, scheme};
+use crate::commands::{load, scheme_of};
 use crate::{KvArgs, ModelArgs};
 use anyhow::{bail, Result};
 use std::time::Instant;
@@ -38,7 +38,11 @@ pub fn bench(
     kv: &KvArgs,
     json: bool,
 ) -> Result<()> {
-    let scheme = scheme(&kv.kv, kv.kv_start)?;
+    let scheme = scheme_of(kv)?;
+    let label = kv
+        .kv_config
+        .as_ref()
+        .map_or(kv.kv.clone(), |p| p.display().to_string());
     if prompt_tokens == 0 || gen_tokens == 0 || repeat == 0 {
         bail!("--prompt-tokens, --gen-tokens and --repeat must be at least 1");
     }
@@ -83,7 +87,7 @@ pub fn bench(
         println!(
             "{}",
             serde_json::json!({
-                "model": model.architecture(), "kv": kv.kv, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
+                "model": model.architecture(), "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
                 "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps,
                 "peak_rss_bytes": rss, "kv_bytes_per_token": cache.bytes_per_token(), "kv_allocated_bytes": cache.allocated_bytes(),
             })
@@ -92,7 +96,7 @@ pub fn bench(
         println!(
             "model {} | kv {} | threads {}",
             model.architecture(),
-            kv.kv,
+            label,
             candle_core::utils::get_num_threads()
         );
         println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up)");

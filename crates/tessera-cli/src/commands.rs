@@ -59,6 +59,26 @@ pub fn scheme(kv: &str, kv_start: usize) -> Result<KvScheme> {
     Ok(s)
 }
 
+/// A `--kv-config` file's scheme; its own `quantized_kv_start`, if it sets one, wins over
+/// `--kv-start`.
+pub fn scheme_from_config(path: &Path, kv_start: usize) -> Result<KvScheme> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read kv config {}", path.display()))?;
+    let mut s = KvScheme::from_config_json(&text).with_context(|| format!("{}", path.display()))?;
+    if !text.contains("quantized_kv_start") {
+        s.quantized_kv_start = kv_start;
+    }
+    Ok(s)
+}
+
+/// The scheme of the shared `--kv` / `--kv-start` / `--kv-config` flags.
+pub fn scheme_of(kv: &KvArgs) -> Result<KvScheme> {
+    match &kv.kv_config {
+        Some(path) => scheme_from_config(path, kv.kv_start),
+        None => scheme(&kv.kv, kv.kv_start),
+    }
+}
+
 fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
     if args.temperature < 0.0 || !args.temperature.is_finite() {
         bail!("--temperature must be a finite number ≥ 0");
@@ -105,7 +125,7 @@ pub fn generate(
     prefill_chunk: usize,
     chat_template: bool,
 ) -> Result<()> {
-    let scheme = scheme(&kv.kv, kv.kv_start)?;
+    let scheme = scheme_of(kv)?;
     let sampler = sampler(sargs)?;
     let t0 = Instant::now();
     let (model, tok) = load(margs)?;
@@ -150,7 +170,7 @@ pub fn chat(
     kv: &KvArgs,
     prefill_chunk: usize,
 ) -> Result<()> {
-    let scheme = scheme(&kv.kv, kv.kv_start)?;
+    let scheme = scheme_of(kv)?;
     let sampler = sampler(sargs)?;
     let (model, tok) = load(margs)?;
     let mut session = Session::new(&model, &scheme, prefill_chunk)?;
@@ -215,18 +235,25 @@ pub fn eval(
     text: &Path,
     kv: &str,
     kv_start: usize,
+    kv_config: Option<&Path>,
     ctx: Option<usize>,
     chunks: Option<usize>,
     prefill: usize,
     tokens: usize,
     json: bool,
 ) -> Result<()> {
-    let schemes: Vec<(String, KvScheme)> = kv
+    let mut schemes: Vec<(String, KvScheme)> = kv
         .split(',')
         .map(|s| s.trim())
         .filter(|s| !s.is_empty())
         .map(|s| Ok((s.to_string(), scheme(s, kv_start)?)))
         .collect::<Result<_>>()?;
+    if let Some(path) = kv_config {
+        schemes.push((
+            path.display().to_string(),
+            scheme_from_config(path, kv_start)?,
+        ));
+    }
     if schemes.is_empty() {
         bail!("--kv lists no scheme");
     }

@@ -39,6 +39,10 @@ pub struct KvArgs {
     /// Positions held in bf16 before a quantized scheme takes over (quantized_kv_start).
     #[arg(long, default_value_t = 0)]
     pub kv_start: usize,
+    /// Per-layer schemes from a JSON file (replaces --kv):
+    /// {"default": "affine:4", "layers": [{"layer": 5, "scheme": "bf16"}]}.
+    #[arg(long)]
+    pub kv_config: Option<PathBuf>,
 }
 
 /// Sampling options.
@@ -115,11 +119,15 @@ enum Command {
         /// Text file to score.
         #[arg(long)]
         text: PathBuf,
-        /// Comma-separated KV schemes, e.g. bf16,f16.
+        /// Comma-separated KV schemes, e.g. bf16,affine:8,affine:4.
         #[arg(long, default_value = "bf16")]
         kv: String,
+        /// Positions held in bf16 before a quantized scheme takes over.
         #[arg(long, default_value_t = 0)]
         kv_start: usize,
+        /// Also evaluate the per-layer scheme of this JSON file (reported under its path).
+        #[arg(long)]
+        kv_config: Option<PathBuf>,
         /// llama-perplexity's method: N-token chunks, second half of each scored.
         #[arg(long)]
         ctx: Option<usize>,
@@ -215,13 +223,23 @@ fn run(cli: Cli) -> Result<()> {
             text,
             kv,
             kv_start,
+            kv_config,
             ctx,
             chunks,
             prefill,
             tokens,
             json,
         } => commands::eval(
-            &model, &text, &kv, kv_start, ctx, chunks, prefill, tokens, json,
+            &model,
+            &text,
+            &kv,
+            kv_start,
+            kv_config.as_deref(),
+            ctx,
+            chunks,
+            prefill,
+            tokens,
+            json,
         ),
         Command::Bench {
             model,

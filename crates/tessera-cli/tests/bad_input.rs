@@ -215,3 +215,70 @@ fn eval_json_has_the_documented_shape() {
     let ppl = schemes[0]["ppl"].as_f64().unwrap();
     assert!(ppl > 1.0 && ppl < 200.0, "ppl {ppl}");
 }
+
+#[test]
+fn kv_config_files_are_checked() {
+    let model = model();
+    let model = model.to_str().unwrap();
+    let cfg = |name: &str, text: &str| {
+        let path = scratch(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let unknown_layer = cfg(
+        "far.json",
+        r#"{"default": "affine:4", "layers": [{"layer": 40, "scheme": "bf16"}]}"#,
+    );
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "hi",
+        "--kv-config",
+        unknown_layer.to_str().unwrap(),
+    ]);
+    assert_clean_error(code, &err, "layer 40, but the model has 18 layers");
+    let bad_json = cfg("bad.json", r#"{"default": "affine:4", "layer": []}"#);
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "hi",
+        "--kv-config",
+        bad_json.to_str().unwrap(),
+    ]);
+    assert_clean_error(code, &err, "unknown field `layer`");
+    let bad_bits = cfg(
+        "bits.json",
+        r#"{"default": "affine:4", "layers": [{"layer": 2, "scheme": "affine:9"}]}"#,
+    );
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "hi",
+        "--kv-config",
+        bad_bits.to_str().unwrap(),
+    ]);
+    assert_clean_error(code, &err, "layer 2");
+    let good = cfg(
+        "good.json",
+        r#"{"default": "affine:8", "layers": [{"layer": 5, "scheme": "bf16"}]}"#,
+    );
+    let (code, out, err) = tessera(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "4",
+        "--kv-config",
+        good.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.trim().is_empty());
+}

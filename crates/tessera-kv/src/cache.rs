@@ -452,6 +452,12 @@ impl KvCache {
         scheme: &KvScheme,
         left_pad: Vec<usize>,
     ) -> Result<Self, KvError> {
+        if let Some(&(layer, _)) = scheme.per_layer.iter().find(|(l, _)| *l >= specs.len()) {
+            return Err(KvError::UnknownLayer {
+                layer,
+                layers: specs.len(),
+            });
+        }
         let layers = specs
             .iter()
             .enumerate()

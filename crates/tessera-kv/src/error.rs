@@ -45,6 +45,12 @@ pub enum KvError {
         head_dim: usize,
     },
 
+    #[error("bad kv config: {reason}")]
+    BadConfig { reason: String },
+
+    #[error("kv config names layer {layer}, but the model has {layers} layers")]
+    UnknownLayer { layer: usize, layers: usize },
+
     #[error("left padding has {given} rows but the cache was built for {rows}")]
     RowCount { given: usize, rows: usize },
 

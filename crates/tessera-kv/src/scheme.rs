@@ -158,6 +158,52 @@ impl Codec {
     }
 }
 
+/// The JSON form of a per-layer scheme (`--kv-config FILE`):
+/// `{"default": "affine:4", "layers": [{"layer": 5, "scheme": "bf16"}], "quantized_kv_start": 0}`.
+/// Unknown keys are rejected; `layers` and `quantized_kv_start` may be left out.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KvConfigFile {
+    default: String,
+    #[serde(default)]
+    layers: Vec<LayerOverride>,
+    #[serde(default)]
+    quantized_kv_start: Option<usize>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LayerOverride {
+    layer: usize,
+    scheme: String,
+}
+
+impl KvScheme {
+    /// Parses a `kv_config.json` text. Layer indices are checked against the model when the
+    /// cache is built ([`crate::KvCache::new`]).
+    pub fn from_config_json(text: &str) -> Result<Self, KvError> {
+        let file: KvConfigFile = serde_json::from_str(text).map_err(|e| KvError::BadConfig {
+            reason: e.to_string(),
+        })?;
+        let mut scheme = KvScheme::parse(&file.default)?;
+        for o in file.layers {
+            let codec = Codec::parse(&o.scheme).map_err(|e| KvError::BadConfig {
+                reason: format!("layer {}: {e}", o.layer),
+            })?;
+            if scheme.per_layer.iter().any(|(l, _)| *l == o.layer) {
+                return Err(KvError::BadConfig {
+                    reason: format!("layer {} is listed twice", o.layer),
+                });
+            }
+            scheme.per_layer.push((o.layer, codec));
+        }
+        if let Some(start) = file.quantized_kv_start {
+            scheme.quantized_kv_start = start;
+        }
+        Ok(scheme)
+    }
+}
+
 impl FromStr for KvScheme {
     type Err = KvError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -190,6 +236,37 @@ mod tests {
             err.to_string().contains("unknown KV scheme `q4_0`"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn config_json_parses_and_rejects_bad_input() {
+        let s = KvScheme::from_config_json(r#"{"default": "affine:4", "layers": [{"layer": 5, "scheme": "bf16"}, {"layer": 0, "scheme": "affine:8:32"}]}"#).unwrap();
+        assert_eq!(s.codec_for(5), Codec::Plain(PlainDType::Bf16));
+        assert_eq!(s.codec_for(0), Codec::Affine { bits: 8, group: 32 });
+        assert_eq!(s.codec_for(3), Codec::Affine { bits: 4, group: 64 });
+        for (bad, needle) in [
+            (
+                r#"{"default": "affine:4", "extra": 1}"#,
+                "unknown field `extra`",
+            ),
+            (
+                r#"{"default": "affine:4", "layers": [{"layer": 1, "scheme": "affine:7"}]}"#,
+                "layer 1",
+            ),
+            (
+                r#"{"default": "affine:4", "layers": [{"layer": 1, "scheme": "bf16", "bits": 4}]}"#,
+                "unknown field `bits`",
+            ),
+            (
+                r#"{"default": "affine:4", "layers": [{"layer": 1, "scheme": "bf16"}, {"layer": 1, "scheme": "f16"}]}"#,
+                "listed twice",
+            ),
+            (r#"{"default": "q4_0"}"#, "unknown KV scheme"),
+            (r#"{"default": "affine:4""#, "kv config"),
+        ] {
+            let err = KvScheme::from_config_json(bad).unwrap_err().to_string();
+            assert!(err.contains(needle), "{bad}: {err}");
+        }
     }
 
     #[test]
