@@ -156,6 +156,30 @@ impl LayerCache {
         self.target.is_some() && matches!(self.planes, Planes::Plain(_))
     }
 
+    /// Whether `n` positions can be dropped: not from a ring that has wrapped (the evicted
+    /// positions are gone), and not more than are held.
+    fn check_trim(&self, n: usize) -> Result<(), KvError> {
+        let held = self.rows.end();
+        if let Retention::Window { size } = self.spec.retention {
+            if held > size && n > 0 {
+                return Err(KvError::TrimWrappedRing {
+                    layer: self.layer,
+                    requested: n,
+                    window: size,
+                    held,
+                });
+            }
+        }
+        if n > held {
+            return Err(KvError::TrimTooFar {
+                layer: self.layer,
+                requested: n,
+                held,
+            });
+        }
+        Ok(())
+    }
+
     /// The bf16-first transition: once an append leaves the bf16 stage holding at least
     /// `start` positions (and never while empty), quantize every stored slot into the target
     /// codec's planes and drop the bf16 planes. Irreversible; the slots (and so a ring's write
@@ -382,24 +406,7 @@ impl AttentionCache for LayerCache {
     }
 
     fn trim(&mut self, n: usize) -> Result<(), KvError> {
-        let held = self.rows.end();
-        if let Retention::Window { size } = self.spec.retention {
-            if held > size && n > 0 {
-                return Err(KvError::TrimWrappedRing {
-                    layer: self.layer,
-                    requested: n,
-                    window: size,
-                    held,
-                });
-            }
-        }
-        if n > held {
-            return Err(KvError::TrimTooFar {
-                layer: self.layer,
-                requested: n,
-                held,
-            });
-        }
+        self.check_trim(n)?;
         self.rows.retreat(n);
         Ok(())
     }
@@ -506,23 +513,7 @@ impl KvCache {
     /// Trims every layer, or none: a refusal by any layer leaves the cache unchanged.
     pub fn trim(&mut self, n: usize) -> Result<(), KvError> {
         for layer in &self.layers {
-            if let Retention::Window { size } = layer.spec.retention {
-                if layer.offset() > size && n > 0 {
-                    return Err(KvError::TrimWrappedRing {
-                        layer: layer.layer,
-                        requested: n,
-                        window: size,
-                        held: layer.offset(),
-                    });
-                }
-            }
-            if n > layer.offset() {
-                return Err(KvError::TrimTooFar {
-                    layer: layer.layer,
-                    requested: n,
-                    held: layer.offset(),
-                });
-            }
+            layer.check_trim(n)?;
         }
         for layer in &mut self.layers {
             layer.trim(n)?;
