@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use half::f16;
 
 /// One plane (keys or values) of `rows × heads × capacity` positions of `dim` elements.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Plane {
     dim: usize,
     words: usize,  // u32 words per position
@@ -97,8 +97,43 @@ impl Plane {
     }
 }
 
+/// One (row, head) block of a plane, as the fused reads see it.
+#[derive(Clone, Copy)]
+pub(crate) struct PlaneView<'a> {
+    codes: &'a [u32],
+    params: &'a [f16],
+    words: usize,
+    groups: usize,
+}
+
+impl<'a> PlaneView<'a> {
+    /// The packed codes of `slot`.
+    #[inline(always)]
+    pub fn codes(&self, slot: usize) -> &'a [u32] {
+        &self.codes[slot * self.words..(slot + 1) * self.words]
+    }
+
+    /// `(scale, bias)` of each group of `slot`, interleaved.
+    #[inline(always)]
+    pub fn params(&self, slot: usize) -> &'a [f16] {
+        &self.params[slot * self.groups * 2..(slot + 1) * self.groups * 2]
+    }
+}
+
+impl Plane {
+    fn view(&self, block: usize, capacity: usize) -> PlaneView<'_> {
+        PlaneView {
+            codes: &self.codes[block * capacity * self.words..(block + 1) * capacity * self.words],
+            params: &self.params
+                [block * capacity * self.groups * 2..(block + 1) * capacity * self.groups * 2],
+            words: self.words,
+            groups: self.groups,
+        }
+    }
+}
+
 /// Affine keys and values of one layer.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct AffinePlanes {
     bits: u8,
     group: usize,
@@ -151,6 +186,19 @@ impl AffinePlanes {
         self.capacity
     }
 
+    /// `(heads, head_dim, value_dim)`.
+    pub fn geometry(&self) -> (usize, usize, usize) {
+        (self.heads, self.keys.dim, self.values.dim)
+    }
+
+    /// Keys and values of block `row * heads + head`.
+    pub(crate) fn views(&self, block: usize) -> (PlaneView<'_>, PlaneView<'_>) {
+        (
+            self.keys.view(block, self.capacity),
+            self.values.view(block, self.capacity),
+        )
+    }
+
     /// Encoded bytes of one position of one row: codes plus 16-bit scale and bias per group.
     pub fn bytes_per_position(&self) -> usize {
         self.heads
@@ -175,6 +223,30 @@ impl AffinePlanes {
         self.keys.grow(blocks, self.capacity, capacity);
         self.values.grow(blocks, self.capacity, capacity);
         self.capacity = capacity;
+    }
+
+    /// Empty planes of the same codec and geometry.
+    pub fn empty_like(&self) -> Self {
+        let (heads, dk, dv) = self.geometry();
+        AffinePlanes::new(self.bits, self.group, self.rows, heads, dk, dv)
+    }
+
+    /// Copies `len` stored slots of `src` (same codec and geometry) from `src_slot` into
+    /// `dst_slot ..`, codes and parameters as they are.
+    pub fn copy_slots(&mut self, src: &AffinePlanes, src_slot: usize, dst_slot: usize, len: usize) {
+        for (dst, from) in [(&mut self.keys, &src.keys), (&mut self.values, &src.values)] {
+            let (w, p) = (dst.words, dst.groups * 2);
+            for block in 0..self.rows * self.heads {
+                let (d0, s0) = (
+                    block * self.capacity + dst_slot,
+                    block * src.capacity + src_slot,
+                );
+                dst.codes[d0 * w..(d0 + len) * w]
+                    .copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
+                dst.params[d0 * p..(d0 + len) * p]
+                    .copy_from_slice(&from.params[s0 * p..(s0 + len) * p]);
+            }
+        }
     }
 
     /// Quantizes `k`, `v` `(rows, heads, n, dim)` into slots `slot .. slot + n`.

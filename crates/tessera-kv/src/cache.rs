@@ -1,11 +1,13 @@
 //! Layer caches: one codec's planes, one retention policy and the rows, composed.
 
+use crate::affine_chunk::ChunkGeometry;
 use crate::affine_planes::AffinePlanes;
 use crate::decode::RowSlots;
 use crate::plain::PlainPlanes;
 use crate::rows::Rows;
 use crate::{AttentionRead, Codec, KvError, KvScheme, LayerSpec, PlainDType, Retention};
 use candle_core::Tensor;
+use std::borrow::Cow;
 
 /// What a model's attention layer sees: append new keys and values, get back a read.
 pub trait AttentionCache {
@@ -256,8 +258,11 @@ impl LayerCache {
         self.check(k, v)?;
         let n = k.dims()[2];
         let start = self.rows.end();
-        if n == 1 && matches!(self.planes, Planes::Plain(_)) {
+        if n == 1 {
             return self.append_one(k, v);
+        }
+        if matches!(self.planes, Planes::Affine(_)) {
+            return self.append_affine_chunk(k, v);
         }
         let device = k.device().clone();
         let (keys, values, positions, window) = match self.spec.retention {
@@ -298,7 +303,67 @@ impl LayerCache {
         Ok(AttentionRead::dense(keys, values, mask))
     }
 
-    /// One position per row: store it, then read straight from the planes (fused decode).
+    /// A causal chunk on affine storage, read from the packed codes (fused chunk read).
+    fn append_affine_chunk(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<AttentionRead<'_>, KvError> {
+        let n = k.dims()[2];
+        let start = self.rows.end();
+        let geometry = |first: usize, slots: usize, window: Option<usize>| ChunkGeometry {
+            rows: self.rows.batch(),
+            kv_heads: self.spec.kv_heads,
+            group: 0, // the queries' head count sets it
+            head_dim: self.spec.head_dim,
+            value_dim: self.spec.value_dim,
+            queries: n,
+            start,
+            first,
+            slots,
+            window,
+        };
+        let pads = self.rows.left_pad().to_vec();
+        match self.spec.retention {
+            Retention::Full => {
+                let geo = geometry(0, start + n, None);
+                self.planes.reserve(k, v, start + n, usize::MAX)?;
+                self.planes.write(start, k, v)?;
+                self.rows.advance(n);
+                let Planes::Affine(affine) = &self.planes else {
+                    unreachable!("called for affine planes")
+                };
+                Ok(AttentionRead::affine_chunk(
+                    Cow::Borrowed(affine),
+                    pads,
+                    geo,
+                ))
+            }
+            Retention::Window { size } => {
+                // The new positions overwrite ring slots the first queries still need: the
+                // read gets its own packed copy of the previous size-1 positions plus the
+                // new ones, in temporal order.
+                let kept = start.min(size - 1);
+                let geo = geometry(start - kept, kept + n, Some(size));
+                let Planes::Affine(ring) = &self.planes else {
+                    unreachable!("called for affine planes")
+                };
+                let mut span = ring.empty_like();
+                span.reserve(kept + n, kept + n);
+                let first = (start - kept) % size;
+                let head = kept.min(size - first);
+                span.copy_slots(ring, first, 0, head);
+                span.copy_slots(ring, 0, head, kept - head);
+                span.write(kept, k, v)?;
+                self.write_ring(start, k, v, size)?;
+                self.rows.advance(n);
+                Ok(AttentionRead::affine_chunk(Cow::Owned(span), pads, geo))
+            }
+        }
+    }
+
+    /// One position per row: store it, then read straight from the planes (fused decode,
+    /// plain or packed affine).
     fn append_one(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
         let pos = self.rows.end();
         let (first, slot_of, size) = match self.spec.retention {
@@ -320,7 +385,7 @@ impl LayerCache {
                 // Visible positions: first ..= pos, none before the row's padding; a padding
                 // query sees only itself.
                 let lo = first.max(pad).min(pos);
-                let (a, b) = (lo % size.min(usize::MAX), pos % size.min(usize::MAX));
+                let (a, b) = (lo % size, pos % size);
                 let ranges = if size == usize::MAX || a <= b {
                     vec![a..b + 1]
                 } else {
@@ -330,8 +395,16 @@ impl LayerCache {
             })
             .collect();
         self.rows.advance(1);
+        // (Matched twice: returning a borrow from one arm of a match that falls through to a
+        // mutable use is refused by today's borrow checker.)
+        if matches!(self.planes, Planes::Affine(_)) {
+            let Planes::Affine(affine) = &self.planes else {
+                unreachable!()
+            };
+            return Ok(AttentionRead::affine_decode(affine, rows));
+        }
         let Planes::Plain(plain) = &self.planes else {
-            unreachable!("fused decode reads plain planes")
+            unreachable!()
         };
         let (keys, values) = plain.planes();
         let (keys, values) = (keys.clone(), values.clone());

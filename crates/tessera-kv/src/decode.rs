@@ -52,14 +52,14 @@ pub(crate) struct DecodeShape {
 const LANES: usize = 16;
 
 /// Partial softmax state over a span of positions for the `group` query heads of one KV head.
-struct Partial {
-    max: Vec<f32>,
-    sum: Vec<f32>,
-    acc: Vec<f32>, // (group, value_dim)
+pub(crate) struct Partial {
+    pub max: Vec<f32>,
+    pub sum: Vec<f32>,
+    pub acc: Vec<f32>, // (group, value_dim)
 }
 
 #[inline(always)]
-fn dot<E: Element>(q: &[f32], k: &[E]) -> f32 {
+pub(crate) fn dot<E: Element>(q: &[f32], k: &[E]) -> f32 {
     let mut lanes = [0f32; LANES];
     let (qc, kc) = (q.chunks_exact(LANES), k.chunks_exact(LANES));
     let (qr, kr) = (qc.remainder(), kc.remainder());
@@ -73,6 +73,23 @@ fn dot<E: Element>(q: &[f32], k: &[E]) -> f32 {
         total += a * b.f32();
     }
     total
+}
+
+/// Turns `g` rows of `n` scores into `exp(score − row max)` in place; returns each row's max
+/// and sum (the partial softmax state).
+#[inline(always)]
+pub(crate) fn exponentiate(scores: &mut [f32], g: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut max = vec![f32::NEG_INFINITY; g];
+    let mut sum = vec![0f32; g];
+    for h in 0..g {
+        let row = &mut scores[h * n..(h + 1) * n];
+        max[h] = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        for v in row.iter_mut() {
+            *v = (*v - max[h]).exp();
+            sum[h] += *v;
+        }
+    }
+    (max, sum)
 }
 
 #[inline(always)]
@@ -93,16 +110,7 @@ fn span<E: Element>(
             scores[h * n + i] = dot(&q[h * d..(h + 1) * d], k) * scale;
         }
     }
-    let mut max = vec![f32::NEG_INFINITY; g];
-    let mut sum = vec![0f32; g];
-    for h in 0..g {
-        let row = &mut scores[h * n..(h + 1) * n];
-        max[h] = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        for v in row.iter_mut() {
-            *v = (*v - max[h]).exp();
-            sum[h] += *v;
-        }
-    }
+    let (max, sum) = exponentiate(&mut scores, g, n);
     let mut acc = vec![0f32; g * dv];
     for (i, slot) in slots.enumerate() {
         let v = &values[slot * dv..(slot + 1) * dv];
@@ -176,16 +184,14 @@ fn span_best<E: Element>(
     span(q, keys, values, slots, s, scale)
 }
 
-fn attend_typed<E: Element>(
-    q: &[f32],
-    keys: &[E],
-    values: &[E],
-    rows: &[RowSlots],
-    s: &DecodeShape,
-    scale: f32,
-) -> Vec<f32> {
-    let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
-    // Work items: (row, kv head, slot range) pieces of at most CHUNK slots.
+/// Splits every (row, KV head) over its visible slots into pieces of at most [`CHUNK`]
+/// positions, runs `kernel` on each piece across the CPU pool and merges the partial softmax
+/// states. Returns `(rows, kv_heads, group, value_dim)` row-major.
+pub(crate) fn run_pieces<K>(rows: &[RowSlots], s: &DecodeShape, kernel: K) -> Vec<f32>
+where
+    K: Fn(usize, usize, std::ops::Range<usize>) -> Partial + Sync,
+{
+    let (g, dv) = (s.group, s.value_dim);
     let mut items = Vec::new();
     for (r, slots) in rows.iter().enumerate() {
         for h in 0..s.kv_heads {
@@ -204,17 +210,7 @@ fn attend_typed<E: Element>(
     candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
         for i in range {
             let (r, h, ref slots) = items[i];
-            let base = (r * s.kv_heads + h) * s.capacity;
-            let qh = &q[(r * s.kv_heads + h) * g * d..][..g * d];
-            let part = span_best(
-                qh,
-                &keys[base * d..(base + s.capacity) * d],
-                &values[base * dv..(base + s.capacity) * dv],
-                slots.clone(),
-                s,
-                scale,
-            );
-            *parts[i].lock().unwrap() = Some(part);
+            *parts[i].lock().unwrap() = Some(kernel(r, h, slots.clone()));
         }
     });
     let mut out = vec![0f32; s.rows * s.kv_heads * g * dv];
@@ -230,6 +226,28 @@ fn attend_typed<E: Element>(
         out[(r * s.kv_heads + h) * g * dv..][..g * dv].copy_from_slice(&merged);
     }
     out
+}
+
+fn attend_typed<E: Element>(
+    q: &[f32],
+    keys: &[E],
+    values: &[E],
+    rows: &[RowSlots],
+    s: &DecodeShape,
+    scale: f32,
+) -> Vec<f32> {
+    let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
+    run_pieces(rows, s, |r, h, slots| {
+        let base = (r * s.kv_heads + h) * s.capacity;
+        span_best(
+            &q[(r * s.kv_heads + h) * g * d..][..g * d],
+            &keys[base * d..(base + s.capacity) * d],
+            &values[base * dv..(base + s.capacity) * dv],
+            slots,
+            s,
+            scale,
+        )
+    })
 }
 
 /// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over `keys`/`values` planes

@@ -17,6 +17,8 @@
 //! [`LayerSpec`]s and a [`KvScheme`].
 
 pub mod affine;
+mod affine_chunk;
+mod affine_decode;
 pub mod affine_planes;
 mod cache;
 mod decode;

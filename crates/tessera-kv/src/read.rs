@@ -1,10 +1,14 @@
 //! The attention read a layer cache returns from an append: keys and values of every
 //! position the new queries may see, with the mask that says which.
 
+use crate::affine_chunk::{self, ChunkGeometry};
+use crate::affine_decode;
+use crate::affine_planes::AffinePlanes;
 use crate::decode::{self, DecodeShape, RowSlots};
+use crate::rows::Rows;
 use crate::KvError;
 use candle_core::{DType, Tensor, D};
-use std::marker::PhantomData;
+use std::borrow::Cow;
 
 /// Queries per block of a chunked (causal) dense read.
 const QUERY_BLOCK: usize = 128;
@@ -38,57 +42,123 @@ fn attend_dense(
     Ok(out.reshape((b, qh, n, dv))?)
 }
 
-/// Keys `(rows, kv_heads, keys, head_dim)` and values `(rows, kv_heads, keys, value_dim)` in
-/// f32, plus an additive mask `(rows, 1, queries, keys)` when some query may not see some key.
-/// Borrowing the cache keeps it from changing while the read is alive.
+/// Where a read's keys and values come from. (One lives per layer per step, so the size of
+/// the largest variant does not matter.)
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+enum Source<'a> {
+    /// Gathered f32 keys `(rows, kv_heads, keys, head_dim)` and values, plus an additive mask
+    /// `(rows, 1, queries, keys)` when some query may not see some key.
+    Dense {
+        keys: Tensor,
+        values: Tensor,
+        mask: Option<Tensor>,
+    },
+    /// One query position per row, straight from plain planes `(rows, kv_heads, capacity,
+    /// dim)`; each row attends its listed slots.
+    PlainDecode {
+        keys: Tensor,
+        values: Tensor,
+        rows: Vec<RowSlots>,
+    },
+    /// One query position per row, straight from the packed codes of affine planes.
+    AffineDecode {
+        planes: &'a AffinePlanes,
+        rows: Vec<RowSlots>,
+    },
+    /// A causal chunk of queries over packed affine slots: the cache's own planes, or (for a
+    /// ring whose old slots the chunk overwrites) a packed copy of the span it needs.
+    AffineChunk {
+        planes: Cow<'a, AffinePlanes>,
+        pads: Vec<usize>,
+        geometry: ChunkGeometry,
+    },
+}
+
+/// The keys and values the new queries of one append may see. Borrowing the cache keeps it
+/// from changing while the read is alive.
 #[derive(Debug)]
 pub struct AttentionRead<'a> {
-    keys: Tensor,
-    values: Tensor,
-    mask: Option<Tensor>,
-    /// Set for a fused decode read: `keys`/`values` are then the whole stored planes and
-    /// each row attends its listed slots.
-    decode: Option<Vec<RowSlots>>,
-    _cache: PhantomData<&'a ()>,
+    source: Source<'a>,
 }
 
 impl<'a> AttentionRead<'a> {
     /// A read over gathered keys and values `(rows, kv_heads, keys, dim)` with a mask.
     pub(crate) fn dense(keys: Tensor, values: Tensor, mask: Option<Tensor>) -> Self {
         AttentionRead {
-            keys,
-            values,
-            mask,
-            decode: None,
-            _cache: PhantomData,
+            source: Source::Dense { keys, values, mask },
         }
     }
 
-    /// A one-position read straight from stored planes `(rows, kv_heads, capacity, dim)`.
+    /// A one-position read straight from plain planes `(rows, kv_heads, capacity, dim)`.
     pub(crate) fn decode(planes_k: Tensor, planes_v: Tensor, rows: Vec<RowSlots>) -> Self {
         AttentionRead {
-            keys: planes_k,
-            values: planes_v,
-            mask: None,
-            decode: Some(rows),
-            _cache: PhantomData,
+            source: Source::PlainDecode {
+                keys: planes_k,
+                values: planes_v,
+                rows,
+            },
         }
     }
 
-    /// Materializes a fused decode read as a dense one (the reference the fused read is
-    /// tested against).
+    /// A one-position read straight from affine planes.
+    pub(crate) fn affine_decode(planes: &'a AffinePlanes, rows: Vec<RowSlots>) -> Self {
+        AttentionRead {
+            source: Source::AffineDecode { planes, rows },
+        }
+    }
+
+    /// A causal chunk read straight from packed affine slots.
+    pub(crate) fn affine_chunk(
+        planes: Cow<'a, AffinePlanes>,
+        pads: Vec<usize>,
+        geometry: ChunkGeometry,
+    ) -> Self {
+        AttentionRead {
+            source: Source::AffineChunk {
+                planes,
+                pads,
+                geometry,
+            },
+        }
+    }
+
+    /// Materializes a fused read as a dense one over dequantized f32 keys and values (the
+    /// reference the fused reads are tested against).
     pub fn to_dense(&self) -> Result<AttentionRead<'a>, KvError> {
-        let Some(rows) = &self.decode else {
-            return Ok(AttentionRead::dense(
-                self.keys.clone(),
-                self.values.clone(),
-                self.mask.clone(),
-            ));
+        let (keys, values, rows) = match &self.source {
+            Source::Dense { keys, values, mask } => {
+                return Ok(AttentionRead::dense(
+                    keys.clone(),
+                    values.clone(),
+                    mask.clone(),
+                ))
+            }
+            Source::PlainDecode { keys, values, rows } => (
+                keys.to_dtype(DType::F32)?,
+                values.to_dtype(DType::F32)?,
+                rows,
+            ),
+            Source::AffineDecode { planes, rows } => {
+                let (k, v) = planes.read(0, planes.capacity())?;
+                (k, v, rows)
+            }
+            Source::AffineChunk {
+                planes,
+                pads,
+                geometry: geo,
+            } => {
+                // The mask the dense path builds for the same positions.
+                let (keys, values) = planes.read(0, geo.slots)?;
+                let mut rows = Rows::new(pads.clone());
+                rows.advance(geo.start);
+                let positions: Vec<usize> = (geo.first..geo.first + geo.slots).collect();
+                let mask = rows.mask(geo.queries, &positions, geo.window, keys.device())?;
+                return Ok(AttentionRead::dense(keys, values, mask));
+            }
         };
-        let (b, _, cap, _) = self.keys.dims4()?;
+        let (b, _, cap, _) = keys.dims4()?;
         // Keys in slot order plus a mask that hides every slot a row does not list.
-        let keys = self.keys.to_dtype(DType::F32)?;
-        let values = self.values.to_dtype(DType::F32)?;
         let mut mask = vec![f32::NEG_INFINITY; b * cap];
         for (r, slots) in rows.iter().enumerate() {
             for range in &slots.ranges {
@@ -97,85 +167,111 @@ impl<'a> AttentionRead<'a> {
                 }
             }
         }
-        let mask = Tensor::from_vec(mask, (b, 1, 1, cap), self.keys.device())?;
+        let mask = Tensor::from_vec(mask, (b, 1, 1, cap), keys.device())?;
         Ok(AttentionRead::dense(keys, values, Some(mask)))
     }
 
     /// Scaled dot-product attention of `q` `(rows, q_heads, queries, head_dim)` over this
     /// read, query heads grouped onto KV heads (GQA). Returns `(rows, q_heads, queries, value_dim)`.
     pub fn attend(&self, q: &Tensor, scale: f32) -> Result<Tensor, KvError> {
-        if let Some(rows) = &self.decode {
-            return self.attend_decode(q, rows, scale);
-        }
+        let (keys, values, mask) = match &self.source {
+            Source::Dense { keys, values, mask } => (keys, values, mask),
+            Source::PlainDecode { keys, values, rows } => {
+                let shape = decode_shape(q, keys.dims4()?, values.dims()[3])?;
+                return Ok(decode::attend(
+                    &q.contiguous()?,
+                    keys,
+                    values,
+                    rows,
+                    &shape,
+                    scale,
+                )?);
+            }
+            Source::AffineChunk {
+                planes,
+                pads,
+                geometry,
+            } => {
+                let (b, qh, n, d) = q.dims4()?;
+                let g = geometry;
+                if b != g.rows || d != g.head_dim || n != g.queries || qh % g.kv_heads != 0 {
+                    return Err(KvError::QueryShape {
+                        got: q.dims().to_vec(),
+                        detail: format!(
+                            "a chunk read of {} queries over {} rows of {} KV heads, head_dim {}",
+                            g.queries, g.rows, g.kv_heads, g.head_dim
+                        ),
+                    });
+                }
+                let geometry = ChunkGeometry {
+                    group: qh / g.kv_heads,
+                    ..g.clone()
+                };
+                return Ok(affine_chunk::attend(
+                    &q.contiguous()?,
+                    planes,
+                    pads,
+                    &geometry,
+                    scale,
+                )?);
+            }
+            Source::AffineDecode { planes, rows } => {
+                let (kvh, d, dv) = planes.geometry();
+                let shape = decode_shape(q, (rows.len(), kvh, planes.capacity(), d), dv)?;
+                return Ok(affine_decode::attend(
+                    &q.contiguous()?,
+                    planes,
+                    rows,
+                    &shape,
+                    scale,
+                )?);
+            }
+        };
         let (b, qh, n, d) = q.dims4()?;
-        let (kb, kvh, s, kd) = self.keys.dims4()?;
+        let (kb, kvh, s, kd) = keys.dims4()?;
         if kb != b || kd != d || qh % kvh != 0 {
             return Err(KvError::QueryShape {
                 got: q.dims().to_vec(),
-                detail: format!("keys are {:?}", self.keys.dims()),
+                detail: format!("keys are {:?}", keys.dims()),
             });
         }
         // Causal chunks in blocks of queries, each against the keys up to its last position
         // only: the masked upper triangle is never multiplied. A dense read's keys end with
         // the chunk's own positions, so block [i0, i0 + len) sees the first s - n + i0 + len.
-        if let (Some(mask), true) = (&self.mask, n > QUERY_BLOCK) {
+        if let (Some(mask), true) = (mask, n > QUERY_BLOCK) {
             let mut outs = Vec::with_capacity(n.div_ceil(QUERY_BLOCK));
             for i0 in (0..n).step_by(QUERY_BLOCK) {
                 let len = QUERY_BLOCK.min(n - i0);
                 let limit = s - (n - (i0 + len));
                 outs.push(attend_dense(
                     &q.narrow(2, i0, len)?,
-                    &self.keys.narrow(2, 0, limit)?,
-                    &self.values.narrow(2, 0, limit)?,
+                    &keys.narrow(2, 0, limit)?,
+                    &values.narrow(2, 0, limit)?,
                     Some(&mask.narrow(2, i0, len)?.narrow(3, 0, limit)?),
                     scale,
                 )?);
             }
             return Ok(Tensor::cat(&outs, 2)?);
         }
-        attend_dense(q, &self.keys, &self.values, self.mask.as_ref(), scale)
-    }
-
-    fn attend_decode(&self, q: &Tensor, rows: &[RowSlots], scale: f32) -> Result<Tensor, KvError> {
-        let (b, qh, n, d) = q.dims4()?;
-        let (kb, kvh, capacity, kd) = self.keys.dims4()?;
-        if kb != b || kd != d || n != 1 || qh % kvh != 0 {
-            return Err(KvError::QueryShape {
-                got: q.dims().to_vec(),
-                detail: format!("a decode read over planes {:?}", self.keys.dims()),
-            });
-        }
-        let shape = DecodeShape {
-            rows: b,
-            kv_heads: kvh,
-            group: qh / kvh,
-            head_dim: d,
-            value_dim: self.values.dims()[3],
-            capacity,
-        };
-        Ok(decode::attend(
-            &q.contiguous()?,
-            &self.keys,
-            &self.values,
-            rows,
-            &shape,
-            scale,
-        )?)
+        attend_dense(q, keys, values, mask.as_ref(), scale)
     }
 
     /// Plain attention, one query head at a time with an explicit softmax: the reference the
     /// tests hold [`AttentionRead::attend`] to.
     pub fn attend_reference(&self, q: &Tensor, scale: f32) -> Result<Tensor, KvError> {
+        let Source::Dense { keys, values, mask } = &self.source else {
+            return self.to_dense()?.attend_reference(q, scale);
+        };
         let qh = q.dims4()?.1;
-        let kvh = self.keys.dims()[1];
+        let kvh = keys.dims()[1];
         let g = qh / kvh;
         let mut heads = Vec::with_capacity(qh);
         for h in 0..qh {
             let qh_t = q.narrow(1, h, 1)?; // (b, 1, n, d)
-            let k = self.keys.narrow(1, h / g, 1)?;
-            let v = self.values.narrow(1, h / g, 1)?;
+            let k = keys.narrow(1, h / g, 1)?;
+            let v = values.narrow(1, h / g, 1)?;
             let mut s = (qh_t.matmul(&k.t()?)? * scale as f64)?;
-            if let Some(mask) = &self.mask {
+            if let Some(mask) = mask {
                 s = s.broadcast_add(mask)?;
             }
             let max = s.max_keepdim(D::Minus1)?;
@@ -185,4 +281,28 @@ impl<'a> AttentionRead<'a> {
         }
         Ok(Tensor::cat(&heads, 1)?)
     }
+}
+
+/// The geometry of a decode read of `q` `(rows, q_heads, 1, head_dim)` over planes
+/// `(rows, kv_heads, capacity, head_dim)`, or the error naming the mismatch.
+fn decode_shape(
+    q: &Tensor,
+    (kb, kvh, capacity, kd): (usize, usize, usize, usize),
+    value_dim: usize,
+) -> Result<DecodeShape, KvError> {
+    let (b, qh, n, d) = q.dims4()?;
+    if kb != b || kd != d || n != 1 || qh % kvh != 0 {
+        return Err(KvError::QueryShape {
+            got: q.dims().to_vec(),
+            detail: format!("a decode read over planes {:?}", (kb, kvh, capacity, kd)),
+        });
+    }
+    Ok(DecodeShape {
+        rows: b,
+        kv_heads: kvh,
+        group: qh / kvh,
+        head_dim: d,
+        value_dim,
+        capacity,
+    })
 }

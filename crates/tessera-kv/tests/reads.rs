@@ -516,3 +516,104 @@ fn affine_accounting_signature_trim_and_bad_group() {
         .to_string();
     assert!(err.contains("layer 1") && err.contains("96"), "{err}");
 }
+
+/// Largest absolute difference relative to the largest reference magnitude.
+fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, w| m.max(w.abs())).max(1e-6);
+    got.iter()
+        .zip(want)
+        .fold(0f32, |m, (g, w)| m.max((g - w).abs()))
+        / scale
+}
+
+/// Prefills `prefill` positions (the converting append), then appends chunks of `appends`
+/// positions (1: a decode step); every later read (fused, on the stored planes) must equal
+/// the same read dequantized and attended in f32 with the dense path's mask.
+#[allow(clippy::too_many_arguments)]
+fn fused_reads_case(
+    codec: Codec,
+    kvh: usize,
+    gqa: usize,
+    d: usize,
+    window: Option<usize>,
+    pads: Vec<usize>,
+    prefill: usize,
+    appends: &[usize],
+    seed: u64,
+) {
+    let spec = LayerSpec {
+        kv_heads: kvh,
+        head_dim: d,
+        value_dim: d,
+        retention: window.map_or(Retention::Full, |size| Retention::Window { size }),
+    };
+    let rows = pads.len();
+    let mut cache = KvCache::new(&[spec], &KvScheme::uniform(codec), pads.clone()).unwrap();
+    let mut seed = seed;
+    let (k, _) = random((rows, kvh, prefill, d), &mut seed);
+    let (v, _) = random((rows, kvh, prefill, d), &mut seed);
+    cache.layer_mut(0).append_window(&k, &v).unwrap();
+    for (step, &n) in appends.iter().enumerate() {
+        let (k, _) = random((rows, kvh, n, d), &mut seed);
+        let (v, _) = random((rows, kvh, n, d), &mut seed);
+        let (q, _) = random((rows, kvh * gqa, n, d), &mut seed);
+        let read = cache.layer_mut(0).append_window(&k, &v).unwrap();
+        let got: Vec<f32> = read
+            .attend(&q, 0.1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let want: Vec<f32> = read
+            .to_dense()
+            .unwrap()
+            .attend_reference(&q, 0.1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let err = relative_error(&got, &want);
+        assert!(
+            err <= 1e-3,
+            "{codec:?} d {d} gqa {gqa} {window:?} pads {pads:?} prefill {prefill} append {step} of {n}: relative error {err}"
+        );
+    }
+}
+
+fn codec_strategy() -> impl Strategy<Value = Codec> {
+    prop_oneof![
+        Just(Codec::Plain(PlainDType::Bf16)),
+        Just(Codec::Plain(PlainDType::F16)),
+        (
+            prop::sample::select(vec![2u8, 3, 4, 5, 6, 8]),
+            prop::sample::select(vec![32u16, 64, 128])
+        )
+            .prop_map(|(bits, group)| Codec::Affine { bits, group }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+    #[test]
+    fn fused_reads_equal_dequantized_reference(
+        codec in codec_strategy(),
+        kvh in 1usize..3,
+        gqa in prop::sample::select(vec![1usize, 2, 4, 8]),
+        d in prop::sample::select(vec![64usize, 128, 256]),
+        window in prop::option::of(5usize..300),
+        pads in prop::collection::vec(0usize..7, 1..3),
+        prefill in 1usize..700,
+        appends in prop::collection::vec(prop_oneof![Just(1usize), 2usize..300], 1..4),
+        seed in any::<u64>(),
+    ) {
+        // A group wider than the head cannot divide it (a typed error tested elsewhere).
+        let codec = match codec {
+            Codec::Affine { bits, group } if group as usize > d => Codec::Affine { bits, group: d as u16 },
+            c => c,
+        };
+        let prefill = prefill.max(pads.iter().max().unwrap() + 1);
+        fused_reads_case(codec, kvh, gqa, d, window, pads, prefill, &appends, seed);
+    }
+}

@@ -1,0 +1,240 @@
+//! The fused chunk read of affine storage: a causal window of queries (prefill, or a
+//! speculative window) attended straight from the packed codes, flash-attention style.
+//!
+//! Each work item is one (row, KV head, block of queries) with the query heads of that KV
+//! head folded in. It walks the visible key slots in tiles: a tile is dequantized into a
+//! small buffer (never the whole cache), scored with one matrix product, masked, folded into
+//! a running softmax, and its values accumulated with a second product. Items run across the
+//! CPU pool; the products are single-threaded inside an item.
+
+use crate::affine_decode::unpack;
+use crate::affine_planes::{AffinePlanes, PlaneView};
+use candle_core::Tensor;
+use std::ops::Range;
+
+/// Queries per work item, and key slots per tile. Sized so an item's buffers stay in L2.
+const QUERY_BLOCK: usize = 32;
+const KEY_TILE: usize = 128;
+
+/// Where the read's slots and queries sit in time.
+#[derive(Debug, Clone)]
+pub(crate) struct ChunkGeometry {
+    pub rows: usize,
+    pub kv_heads: usize,
+    /// Query heads per KV head.
+    pub group: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    /// Queries per row, at physical positions `start ..`.
+    pub queries: usize,
+    pub start: usize,
+    /// Slot `j` of the planes holds physical position `first + j`.
+    pub first: usize,
+    /// Slots that hold positions (`first ..= start + queries − 1`).
+    pub slots: usize,
+    pub window: Option<usize>,
+}
+
+impl ChunkGeometry {
+    /// The slots query `i` of a row with `pad` padding positions sees: causal, no padding,
+    /// inside the window. A padding query sees only itself, so its discarded output stays
+    /// finite (as the dense mask does).
+    fn visible(&self, pad: usize, i: usize) -> Range<usize> {
+        let q = self.start + i;
+        let lo = if q < pad {
+            q
+        } else {
+            let w = self.window.map_or(0, |w| (q + 1).saturating_sub(w));
+            pad.max(w).max(self.first)
+        };
+        lo - self.first..q + 1 - self.first
+    }
+}
+
+/// Dequantizes `slots` of one plane block into rows of `dim` f32 values.
+fn dequantize_tile(
+    view: &PlaneView,
+    bits: u8,
+    group: usize,
+    dim: usize,
+    slots: Range<usize>,
+    out: &mut [f32],
+) {
+    for (slot, row) in slots.zip(out.chunks_exact_mut(dim)) {
+        match bits {
+            2 => unpack::<2>(view.codes(slot), row),
+            3 => unpack::<3>(view.codes(slot), row),
+            4 => unpack::<4>(view.codes(slot), row),
+            5 => unpack::<5>(view.codes(slot), row),
+            6 => unpack::<6>(view.codes(slot), row),
+            8 => unpack::<8>(view.codes(slot), row),
+            _ => unreachable!("affine bits are validated when the scheme is parsed"),
+        }
+        for (values, p) in row
+            .chunks_exact_mut(group)
+            .zip(view.params(slot).chunks_exact(2))
+        {
+            let (s, b) = (p[0].to_f32(), p[1].to_f32());
+            values.iter_mut().for_each(|v| *v = s * *v + b);
+        }
+    }
+}
+
+/// `dst (m × n) = [dst +] lhs (m × k) · rhs`, all row-major; `rhs_t` says `rhs` is stored
+/// transposed (`n × k`).
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    dst: &mut [f32],
+    accumulate: bool,
+    lhs: &[f32],
+    rhs: &[f32],
+    rhs_t: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    assert!(dst.len() >= m * n && lhs.len() >= m * k && rhs.len() >= k * n);
+    let (rhs_cs, rhs_rs) = if rhs_t { (k, 1) } else { (1, n) };
+    // SAFETY: the slices hold every element the strides reach (asserted above).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.as_ptr(),
+            1,
+            k as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// One work item: rows `r` of the output for KV head `h`, queries `i0 .. i0 + len`.
+#[allow(clippy::too_many_arguments)]
+fn attend_block(
+    q: &[f32],
+    planes: &AffinePlanes,
+    geo: &ChunkGeometry,
+    pad: usize,
+    r: usize,
+    h: usize,
+    i0: usize,
+    len: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let (g, d, dv, n) = (geo.group, geo.head_dim, geo.value_dim, geo.queries);
+    let m = g * len; // query rows: head-major, then query
+    let mut qb = vec![0f32; m * d];
+    for hh in 0..g {
+        let src = &q[(((r * geo.kv_heads + h) * g + hh) * n + i0) * d..][..len * d];
+        for (dst, s) in qb[hh * len * d..][..len * d].iter_mut().zip(src) {
+            *dst = s * scale;
+        }
+    }
+    let visible: Vec<Range<usize>> = (i0..i0 + len).map(|i| geo.visible(pad, i)).collect();
+    let lo = visible.iter().map(|v| v.start).min().unwrap_or(0);
+    let hi = visible.iter().map(|v| v.end).max().unwrap_or(0);
+    let (keys, values) = planes.views(r * geo.kv_heads + h);
+    let (bits, gs) = (planes.bits(), planes.group());
+    let mut kt = vec![0f32; KEY_TILE * d];
+    let mut vt = vec![0f32; KEY_TILE * dv];
+    let mut scores = vec![0f32; m * KEY_TILE];
+    let mut max = vec![f32::NEG_INFINITY; m];
+    let mut sum = vec![0f32; m];
+    let mut acc = vec![0f32; m * dv];
+    let mut t0 = lo;
+    while t0 < hi {
+        let t = KEY_TILE.min(hi - t0);
+        dequantize_tile(&keys, bits, gs, d, t0..t0 + t, &mut kt);
+        dequantize_tile(&values, bits, gs, dv, t0..t0 + t, &mut vt);
+        matmul(&mut scores, false, &qb, &kt, true, m, t, d);
+        for row in 0..m {
+            let vis = &visible[row % len];
+            let line = &mut scores[row * t..(row + 1) * t];
+            // Slots of this tile the query sees: [a, b) in tile coordinates.
+            let a = vis.start.clamp(t0, t0 + t) - t0;
+            let b = vis.end.clamp(t0, t0 + t) - t0;
+            line[..a].iter_mut().for_each(|s| *s = 0.0);
+            line[b..].iter_mut().for_each(|s| *s = 0.0);
+            if a >= b {
+                continue;
+            }
+            let tile_max = line[a..b].iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let new_max = max[row].max(tile_max);
+            let rescale = (max[row] - new_max).exp();
+            if rescale != 1.0 {
+                sum[row] *= rescale;
+                acc[row * dv..(row + 1) * dv]
+                    .iter_mut()
+                    .for_each(|o| *o *= rescale);
+            }
+            max[row] = new_max;
+            for s in &mut line[a..b] {
+                *s = (*s - new_max).exp();
+                sum[row] += *s;
+            }
+        }
+        matmul(&mut acc, true, &scores, &vt, false, m, dv, t);
+        t0 += t;
+    }
+    for row in 0..m {
+        let inv = 1.0 / sum[row];
+        acc[row * dv..(row + 1) * dv]
+            .iter_mut()
+            .for_each(|o| *o *= inv);
+    }
+    acc
+}
+
+/// Attends `q` `(rows, kv_heads * group, queries, head_dim)` over slots `0 .. geo.slots` of
+/// affine `planes`. Returns `(rows, kv_heads * group, queries, value_dim)`.
+pub(crate) fn attend(
+    q: &Tensor,
+    planes: &AffinePlanes,
+    pads: &[usize],
+    geo: &ChunkGeometry,
+    scale: f32,
+) -> candle_core::Result<Tensor> {
+    let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
+    let (g, dv, n) = (geo.group, geo.value_dim, geo.queries);
+    let mut items = Vec::new();
+    for r in 0..geo.rows {
+        for h in 0..geo.kv_heads {
+            for i0 in (0..n).step_by(QUERY_BLOCK) {
+                items.push((r, h, i0, QUERY_BLOCK.min(n - i0)));
+            }
+        }
+    }
+    let outs: Vec<std::sync::Mutex<Vec<f32>>> = items
+        .iter()
+        .map(|_| std::sync::Mutex::new(Vec::new()))
+        .collect();
+    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+        for i in range {
+            let (r, h, i0, len) = items[i];
+            *outs[i].lock().unwrap() =
+                attend_block(&qv, planes, geo, pads[r], r, h, i0, len, scale);
+        }
+    });
+    let mut out = vec![0f32; geo.rows * geo.kv_heads * g * n * dv];
+    for ((r, h, i0, len), block) in items.into_iter().zip(outs) {
+        let block = block.into_inner().unwrap();
+        for hh in 0..g {
+            let dst = (((r * geo.kv_heads + h) * g + hh) * n + i0) * dv;
+            out[dst..dst + len * dv].copy_from_slice(&block[hh * len * dv..][..len * dv]);
+        }
+    }
+    Tensor::from_vec(out, (geo.rows, geo.kv_heads * g, n, dv), q.device())
+}
