@@ -1,5 +1,6 @@
 //! The commands that load a model and talk to the engine.
 
+use crate::plot::{kl_vs_bits_svg, PlotPoint};
 use crate::{KvArgs, ModelArgs, SampleArgs};
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
@@ -241,7 +242,11 @@ pub fn eval(
     prefill: usize,
     tokens: usize,
     json: bool,
+    plot: Option<&Path>,
 ) -> Result<()> {
+    if let Some(path) = plot {
+        check_plot_path(path)?;
+    }
     let mut schemes: Vec<(String, KvScheme)> = kv
         .split(',')
         .map(|s| s.trim())
@@ -267,36 +272,81 @@ pub fn eval(
         None => EvalMode::Decode { prefill, tokens },
     };
     let results = evaluate(&model, &ids, &schemes, mode, bos)?;
+    if let Some(path) = plot {
+        let regime = match mode {
+            // Same count `evaluate` uses: whole chunks the text holds, capped by --chunks.
+            EvalMode::Chunks { ctx, chunks } => {
+                let n = chunks.map_or(ids.len() / ctx, |c| c.min(ids.len() / ctx));
+                format!("ctx {ctx} × {n} chunk{}", if n == 1 { "" } else { "s" })
+            }
+            EvalMode::Decode { prefill, tokens } => {
+                format!("prefill {prefill}, decode {tokens}")
+            }
+        };
+        let name = text.file_name().map_or(text.display().to_string(), |n| {
+            n.to_string_lossy().into_owned()
+        });
+        let points: Vec<PlotPoint> = results
+            .iter()
+            .map(|r| PlotPoint {
+                label: r.kv.clone(),
+                bits: r.bits_per_element,
+                kl: r.kl_vs_bf16.unwrap_or(0.0),
+            })
+            .collect();
+        let svg = kl_vs_bits_svg(&points, &format!("KL vs bf16 by KV bits: {name}, {regime}"));
+        std::fs::write(path, svg)
+            .with_context(|| format!("cannot write plot {}", path.display()))?;
+    }
     if json {
         let entries: Vec<serde_json::Value> = results
             .iter()
             .map(|r| {
                 serde_json::json!({
                     "kv": r.kv, "ppl": r.ppl, "kl_vs_bf16": r.kl_vs_bf16, "top1_agree": r.top1_agree,
-                    "kv_bytes_per_token": r.kv_bytes_per_token, "tokens_scored": r.tokens_scored,
+                    "kv_bytes_per_token": r.kv_bytes_per_token, "bits_per_element": r.bits_per_element,
+                    "tokens_scored": r.tokens_scored,
                 })
             })
             .collect();
         println!("{}", serde_json::json!({ "schemes": entries }));
     } else {
         println!(
-            "{:<16} {:>10} {:>12} {:>10} {:>14} {:>8}",
-            "kv", "ppl", "kl_vs_bf16", "top1", "kv_bytes/tok", "scored"
+            "{:<16} {:>10} {:>12} {:>10} {:>14} {:>6} {:>8}",
+            "kv", "ppl", "kl_vs_bf16", "top1", "kv_bytes/tok", "bits", "scored"
         );
         for r in &results {
             let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
             println!(
-                "{:<16} {:>10.4} {:>12} {:>10} {:>14.0} {:>8}",
+                "{:<16} {:>10.4} {:>12} {:>10} {:>14.0} {:>6.2} {:>8}",
                 r.kv,
                 r.ppl,
                 opt(r.kl_vs_bf16, 6),
                 opt(r.top1_agree, 4),
                 r.kv_bytes_per_token,
+                r.bits_per_element,
                 r.tokens_scored
             );
         }
     }
     Ok(())
+}
+
+/// Refused before the model loads, so a long eval never ends in a file it cannot write.
+fn check_plot_path(path: &Path) -> Result<()> {
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase());
+    if let Some(ext) = ext.filter(|e| e != "svg") {
+        bail!(
+            "--plot writes SVG only, not .{ext}: give a file name ending in .svg ({})",
+            path.display()
+        );
+    }
+    match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(dir) if !dir.is_dir() => bail!("--plot: no directory {}", dir.display()),
+        _ => Ok(()),
+    }
 }
 
 pub fn fetch() -> Result<()> {

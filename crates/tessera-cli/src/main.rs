@@ -2,6 +2,7 @@
 
 mod bench;
 mod commands;
+mod plot;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -143,6 +144,9 @@ enum Command {
         /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
+        /// Also write an SVG chart to FILE: KL divergence vs bf16 over bits per KV element.
+        #[arg(long, value_name = "FILE")]
+        plot: Option<PathBuf>,
     },
     /// Prefill and decode speed, peak memory and KV bytes.
     Bench {
@@ -229,6 +233,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill,
             tokens,
             json,
+            plot,
         } => commands::eval(
             &model,
             &text,
@@ -240,6 +245,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill,
             tokens,
             json,
+            plot.as_deref(),
         ),
         Command::Bench {
             model,

@@ -282,3 +282,20 @@ fn kv_config_files_are_checked() {
     assert_eq!(code, 0, "{err}");
     assert!(!out.trim().is_empty());
 }
+
+#[test]
+fn eval_plot_refuses_png_before_loading() {
+    // A model path that does not exist: the refusal must come first.
+    let (code, _, err) = tessera(&[
+        "eval",
+        "--model",
+        "/nonexistent/m.gguf",
+        "--text",
+        "/nonexistent/t.txt",
+        "--kv",
+        "bf16,affine:4",
+        "--plot",
+        "out.png",
+    ]);
+    assert_clean_error(code, &err, "SVG only");
+}

@@ -28,6 +28,8 @@ pub struct SchemeResult {
     pub kl_vs_bf16: Option<f64>,
     pub top1_agree: Option<f64>,
     pub kv_bytes_per_token: f64,
+    /// Bits per stored K or V element, scales and offsets included (bf16 16, affine:4 4.5).
+    pub bits_per_element: f64,
     pub tokens_scored: usize,
 }
 
@@ -164,6 +166,12 @@ pub fn evaluate(
             }
         }
     }
+    // K and V elements one token adds over all layers; the same for every scheme.
+    let elements: usize = model
+        .layer_specs()
+        .iter()
+        .map(|s| s.kv_heads * (s.head_dim + s.value_dim))
+        .sum();
     Ok(schemes
         .iter()
         .zip(&slot)
@@ -177,6 +185,7 @@ pub fn evaluate(
                 kl_vs_bf16: (!is_reference).then(|| t.kl / n),
                 top1_agree: (!is_reference).then(|| t.agree as f64 / n),
                 kv_bytes_per_token: bytes[r] as f64,
+                bits_per_element: bytes[r] as f64 * 8.0 / elements.max(1) as f64,
                 tokens_scored: t.count,
             }
         })
