@@ -1,10 +1,13 @@
-//! The fused decode read of plain storage: one query position per row, attended straight
-//! from the stored planes. Nothing is gathered or converted into a second copy of the
-//! cache; query heads that share a KV head (GQA) are folded so each stored key and value is
-//! read once per KV head. Work is split over positions across the CPU pool and the partial
-//! softmax states are merged (the flash-decoding scheme).
+//! The fused decode read: one query position per row, attended straight from the stored
+//! planes of any codec. Work is split into pieces of at most [`CHUNK`] positions of one
+//! (row, KV head) across the CPU pool, and the partial softmax states are merged (the
+//! flash-decoding scheme). A piece's keys and values are decoded by its [`TileSource`] into
+//! a small f32 tile (never the whole cache), then every query head of the KV head (GQA
+//! folded) is scored against the tile at once and the values accumulated with the
+//! accumulators held in registers across positions.
 
 use candle_core::{CpuStorage, Storage, Tensor};
+use std::ops::Range;
 
 /// Element types plain planes hold.
 pub(crate) trait Element: Copy + Send + Sync {
@@ -51,28 +54,14 @@ pub(crate) struct DecodeShape {
 
 const LANES: usize = 16;
 
+/// Positions decoded into f32 at a time inside a piece: a tile of 32 rows of 256 stays in L1.
+const SUB_TILE: usize = 32;
+
 /// Partial softmax state over a span of positions for the `group` query heads of one KV head.
 pub(crate) struct Partial {
     pub max: Vec<f32>,
     pub sum: Vec<f32>,
     pub acc: Vec<f32>, // (group, value_dim)
-}
-
-#[inline(always)]
-pub(crate) fn dot<E: Element>(q: &[f32], k: &[E]) -> f32 {
-    let mut lanes = [0f32; LANES];
-    let (qc, kc) = (q.chunks_exact(LANES), k.chunks_exact(LANES));
-    let (qr, kr) = (qc.remainder(), kc.remainder());
-    for (qa, ka) in qc.zip(kc) {
-        for l in 0..LANES {
-            lanes[l] += qa[l] * ka[l].f32();
-        }
-    }
-    let mut total: f32 = lanes.iter().sum();
-    for (a, b) in qr.iter().zip(kr) {
-        total += a * b.f32();
-    }
-    total
 }
 
 /// Turns `g` rows of `n` scores into `exp(score − row max)` in place; returns each row's max
@@ -85,44 +74,29 @@ pub(crate) fn exponentiate(scores: &mut [f32], g: usize, n: usize) -> (Vec<f32>,
         let row = &mut scores[h * n..(h + 1) * n];
         max[h] = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         for v in row.iter_mut() {
-            *v = (*v - max[h]).exp();
-            sum[h] += *v;
+            *v = exp_nonpositive(*v - max[h]);
         }
+        sum[h] = row.iter().sum();
     }
     (max, sum)
 }
 
+/// `e^x` for `x ≤ 0` within 1e-6 relative error, in plain arithmetic that vectorizes (libm's
+/// `expf` is a call per score and was 15–20% of a decode read). Below −87 the result is
+/// that of −87 (≈ 1.6e-38), which a softmax sum cannot tell from 0.
 #[inline(always)]
-fn span<E: Element>(
-    q: &[f32],
-    keys: &[E],
-    values: &[E],
-    slots: std::ops::Range<usize>,
-    s: &DecodeShape,
-    scale: f32,
-) -> Partial {
-    let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
-    let n = slots.len();
-    let mut scores = vec![0f32; g * n];
-    for (i, slot) in slots.clone().enumerate() {
-        let k = &keys[slot * d..(slot + 1) * d];
-        for h in 0..g {
-            scores[h * n + i] = dot(&q[h * d..(h + 1) * d], k) * scale;
-        }
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.max(-87.0);
+    // e^x = 2^k · e^r with |r| ≤ ln2 / 2; e^r by its Taylor series to r^6 (error < 3e-7).
+    let k = (x * std::f32::consts::LOG2_E).round();
+    let r = k.mul_add(-LN2_LO, k.mul_add(-LN2_HI, x));
+    let mut p: f32 = 1.0 / 720.0;
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = p.mul_add(r, c);
     }
-    let (max, sum) = exponentiate(&mut scores, g, n);
-    let mut acc = vec![0f32; g * dv];
-    for (i, slot) in slots.enumerate() {
-        let v = &values[slot * dv..(slot + 1) * dv];
-        for h in 0..g {
-            let p = scores[h * n + i];
-            let out = &mut acc[h * dv..(h + 1) * dv];
-            for (o, x) in out.iter_mut().zip(v) {
-                *o += p * x.f32();
-            }
-        }
-    }
-    Partial { max, sum, acc }
+    f32::from_bits(((k as i32 + 127) as u32) << 23) * p
 }
 
 fn merge(parts: Vec<Partial>, group: usize, dv: usize) -> Vec<f32> {
@@ -153,36 +127,6 @@ fn merge(parts: Vec<Partial>, group: usize, dv: usize) -> Vec<f32> {
 /// Positions per work item: small enough to use both cores at moderate depth, large
 /// enough that the merge stays negligible.
 const CHUNK: usize = 256;
-
-/// `span` compiled for AVX2 + FMA, where the CPU has them.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn span_avx2<E: Element>(
-    q: &[f32],
-    keys: &[E],
-    values: &[E],
-    slots: std::ops::Range<usize>,
-    s: &DecodeShape,
-    scale: f32,
-) -> Partial {
-    span(q, keys, values, slots, s, scale)
-}
-
-fn span_best<E: Element>(
-    q: &[f32],
-    keys: &[E],
-    values: &[E],
-    slots: std::ops::Range<usize>,
-    s: &DecodeShape,
-    scale: f32,
-) -> Partial {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the features were just detected.
-        return unsafe { span_avx2(q, keys, values, slots, s, scale) };
-    }
-    span(q, keys, values, slots, s, scale)
-}
 
 /// Splits every (row, KV head) over its visible slots into pieces of at most [`CHUNK`]
 /// positions, runs `kernel` on each piece across the CPU pool and merges the partial softmax
@@ -228,29 +172,328 @@ where
     out
 }
 
-fn attend_typed<E: Element>(
+/// Decodes stored positions of one (row, KV head) block into f32 rows.
+pub(crate) trait TileSource: Sync {
+    fn keys(&self, block: usize, slots: Range<usize>, out: &mut [f32]);
+    fn values(&self, block: usize, slots: Range<usize>, out: &mut [f32]);
+}
+
+/// Plain planes `(rows, kv_heads, capacity, dim)` of one element type.
+struct PlainSource<'a, E> {
+    keys: &'a [E],
+    values: &'a [E],
+    capacity: usize,
+    head_dim: usize,
+    value_dim: usize,
+}
+
+#[inline(always)]
+fn widen<E: Element>(src: &[E], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(src) {
+        *o = x.f32();
+    }
+}
+
+impl<E: Element> TileSource for PlainSource<'_, E> {
+    #[inline(always)]
+    fn keys(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
+        let d = self.head_dim;
+        let base = block * self.capacity;
+        widen(
+            &self.keys[(base + slots.start) * d..(base + slots.end) * d],
+            out,
+        );
+    }
+
+    #[inline(always)]
+    fn values(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
+        let d = self.value_dim;
+        let base = block * self.capacity;
+        widen(
+            &self.values[(base + slots.start) * d..(base + slots.end) * d],
+            out,
+        );
+    }
+}
+
+/// Scores of `G` query heads (`q`: G × d, pre-scaled) against `n` key rows into
+/// `out[h * stride + i]`.
+#[inline(always)]
+fn score_tile<const G: usize>(
     q: &[f32],
-    keys: &[E],
-    values: &[E],
+    keys: &[f32],
+    n: usize,
+    d: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    for (i, k) in keys.chunks_exact(d).take(n).enumerate() {
+        // One accumulator set per head: every loaded key chunk feeds all G heads.
+        let mut acc = [[0f32; LANES]; G];
+        for c in (0..d - d % LANES).step_by(LANES) {
+            let kc = &k[c..c + LANES];
+            for (h, a) in acc.iter_mut().enumerate() {
+                let qc = &q[h * d + c..h * d + c + LANES];
+                for l in 0..LANES {
+                    a[l] = qc[l].mul_add(kc[l], a[l]);
+                }
+            }
+        }
+        for (h, a) in acc.iter().enumerate() {
+            let mut total: f32 = a.iter().sum();
+            for c in d - d % LANES..d {
+                total += q[h * d + c] * k[c];
+            }
+            out[h * stride + i] = total;
+        }
+    }
+}
+
+/// `out (G × dv) += Σ_i weights[h * stride + i] · values[i]` over `n` value rows,
+/// accumulators held across positions for one chunk of output dimensions at a time.
+#[inline(always)]
+fn accumulate_tile<const G: usize>(
+    weights: &[f32],
+    stride: usize,
+    values: &[f32],
+    n: usize,
+    dv: usize,
+    out: &mut [f32],
+) {
+    for c in (0..dv - dv % LANES).step_by(LANES) {
+        let mut acc = [[0f32; LANES]; G];
+        for (h, a) in acc.iter_mut().enumerate() {
+            a.copy_from_slice(&out[h * dv + c..h * dv + c + LANES]);
+        }
+        for i in 0..n {
+            let vc = &values[i * dv + c..i * dv + c + LANES];
+            for (h, a) in acc.iter_mut().enumerate() {
+                let w = weights[h * stride + i];
+                for l in 0..LANES {
+                    a[l] = w.mul_add(vc[l], a[l]);
+                }
+            }
+        }
+        for (h, a) in acc.iter().enumerate() {
+            out[h * dv + c..h * dv + c + LANES].copy_from_slice(a);
+        }
+    }
+    for c in dv - dv % LANES..dv {
+        for h in 0..G {
+            out[h * dv + c] += (0..n)
+                .map(|i| weights[h * stride + i] * values[i * dv + c])
+                .sum::<f32>();
+        }
+    }
+}
+
+/// The two tile kernels with AVX2 + FMA intrinsics: the portable loops above do not
+/// vectorize across heads.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// See [`super::score_tile`]; `d` must be a multiple of 16.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn score_tile<const G: usize>(
+        q: &[f32],
+        keys: &[f32],
+        n: usize,
+        d: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        assert!(q.len() >= G * d && keys.len() >= n * d && d % 16 == 0);
+        assert!(n == 0 || out.len() > (G - 1) * stride + n - 1);
+        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+        for i in 0..n {
+            let k = kp.add(i * d);
+            let mut acc = [[_mm256_setzero_ps(); 2]; G];
+            for c in (0..d).step_by(16) {
+                let k0 = _mm256_loadu_ps(k.add(c));
+                let k1 = _mm256_loadu_ps(k.add(c + 8));
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let qh = qp.add(h * d + c);
+                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), k0, a[0]);
+                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(qh.add(8)), k1, a[1]);
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                out[h * stride + i] = hsum(_mm256_add_ps(a[0], a[1]));
+            }
+        }
+    }
+
+    /// See [`super::accumulate_tile`]; `dv` must be a multiple of 16.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn accumulate_tile<const G: usize>(
+        weights: &[f32],
+        stride: usize,
+        values: &[f32],
+        n: usize,
+        dv: usize,
+        out: &mut [f32],
+    ) {
+        assert!(values.len() >= n * dv && out.len() >= G * dv && dv % 16 == 0);
+        assert!(n == 0 || weights.len() > (G - 1) * stride + n - 1);
+        let (wp, vp, op) = (weights.as_ptr(), values.as_ptr(), out.as_mut_ptr());
+        for c in (0..dv).step_by(16) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; G];
+            for (h, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_loadu_ps(op.add(h * dv + c));
+                a[1] = _mm256_loadu_ps(op.add(h * dv + c + 8));
+            }
+            for i in 0..n {
+                let v = vp.add(i * dv + c);
+                let (v0, v1) = (_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(8)));
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let w = _mm256_set1_ps(*wp.add(h * stride + i));
+                    a[0] = _mm256_fmadd_ps(w, v0, a[0]);
+                    a[1] = _mm256_fmadd_ps(w, v1, a[1]);
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(op.add(h * dv + c), a[0]);
+                _mm256_storeu_ps(op.add(h * dv + c + 8), a[1]);
+            }
+        }
+    }
+}
+
+/// One piece: `g` query heads of one KV head over `slots`. `SIMD`: the AVX2 + FMA
+/// kernels may be used (the caller checked the CPU).
+#[inline(always)]
+fn tile_span<S: TileSource, const G: usize, const SIMD: bool>(
+    source: &S,
+    block: usize,
+    q: &[f32],
+    slots: Range<usize>,
+    s: &DecodeShape,
+) -> Partial {
+    let (g, d, dv, n) = (s.group, s.head_dim, s.value_dim, slots.len());
+    let mut tile = vec![0f32; SUB_TILE * d.max(dv)];
+    let mut scores = vec![0f32; g * n];
+    let mut acc = vec![0f32; g * dv];
+    let simd = SIMD && d % 16 == 0 && dv % 16 == 0;
+    // A group size without its own instance runs one head at a time.
+    let (heads, per_call) = if G == g { (1, G) } else { (g, 1) };
+    for t0 in (0..n).step_by(SUB_TILE) {
+        let m = SUB_TILE.min(n - t0);
+        let sub = slots.start + t0..slots.start + t0 + m;
+        source.keys(block, sub, &mut tile[..m * d]);
+        for h in 0..heads {
+            let (q, out) = (&q[h * d..], &mut scores[h * n + t0..]);
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: the caller checked AVX2 + FMA; shapes are asserted inside.
+                unsafe {
+                    match per_call {
+                        1 => x86::score_tile::<1>(q, &tile, m, d, out, n),
+                        _ => x86::score_tile::<G>(q, &tile, m, d, out, n),
+                    }
+                }
+                continue;
+            }
+            match per_call {
+                1 => score_tile::<1>(q, &tile, m, d, out, n),
+                _ => score_tile::<G>(q, &tile, m, d, out, n),
+            }
+        }
+    }
+    let (max, sum) = exponentiate(&mut scores, g, n);
+    for t0 in (0..n).step_by(SUB_TILE) {
+        let m = SUB_TILE.min(n - t0);
+        let sub = slots.start + t0..slots.start + t0 + m;
+        source.values(block, sub, &mut tile[..m * dv]);
+        for h in 0..heads {
+            let (w, out) = (&scores[h * n + t0..], &mut acc[h * dv..]);
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: as above.
+                unsafe {
+                    match per_call {
+                        1 => x86::accumulate_tile::<1>(w, n, &tile, m, dv, out),
+                        _ => x86::accumulate_tile::<G>(w, n, &tile, m, dv, out),
+                    }
+                }
+                continue;
+            }
+            match per_call {
+                1 => accumulate_tile::<1>(w, n, &tile, m, dv, out),
+                _ => accumulate_tile::<G>(w, n, &tile, m, dv, out),
+            }
+        }
+    }
+    Partial { max, sum, acc }
+}
+
+#[inline(always)]
+fn tile_span_any<S: TileSource, const SIMD: bool>(
+    source: &S,
+    block: usize,
+    q: &[f32],
+    slots: Range<usize>,
+    s: &DecodeShape,
+) -> Partial {
+    match s.group {
+        2 => tile_span::<S, 2, SIMD>(source, block, q, slots, s),
+        4 => tile_span::<S, 4, SIMD>(source, block, q, slots, s),
+        8 => tile_span::<S, 8, SIMD>(source, block, q, slots, s),
+        _ => tile_span::<S, 1, SIMD>(source, block, q, slots, s),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_span_avx2<S: TileSource>(
+    source: &S,
+    block: usize,
+    q: &[f32],
+    slots: Range<usize>,
+    s: &DecodeShape,
+) -> Partial {
+    tile_span_any::<S, true>(source, block, q, slots, s)
+}
+
+/// Attends `q` (rows × kv_heads × group × head_dim, f32) over `source`, each row over its
+/// visible slots; returns `(rows, kv_heads, group, value_dim)` row-major.
+pub(crate) fn attend_source<S: TileSource>(
+    q: &[f32],
+    source: &S,
     rows: &[RowSlots],
     s: &DecodeShape,
     scale: f32,
 ) -> Vec<f32> {
-    let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
+    let q: Vec<f32> = q.iter().map(|x| x * scale).collect();
+    let (g, d) = (s.group, s.head_dim);
+    #[cfg(target_arch = "x86_64")]
+    let simd = std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c");
     run_pieces(rows, s, |r, h, slots| {
-        let base = (r * s.kv_heads + h) * s.capacity;
-        span_best(
-            &q[(r * s.kv_heads + h) * g * d..][..g * d],
-            &keys[base * d..(base + s.capacity) * d],
-            &values[base * dv..(base + s.capacity) * dv],
-            slots,
-            s,
-            scale,
-        )
+        let block = r * s.kv_heads + h;
+        let qh = &q[block * g * d..][..g * d];
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: the features were detected above.
+            return unsafe { tile_span_avx2(source, block, qh, slots, s) };
+        }
+        tile_span_any::<S, false>(source, block, qh, slots, s)
     })
 }
 
-/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over `keys`/`values` planes
+/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over plain `keys`/`values` planes
 /// `(rows, kv_heads, capacity, dim)`, each row over its visible slots.
 pub(crate) fn attend(
     q: &Tensor,
@@ -264,15 +507,24 @@ pub(crate) fn attend(
     let (ks, kl) = keys.storage_and_layout();
     let (vs, vl) = values.storage_and_layout();
     let (ko, vo) = (kl.start_offset(), vl.start_offset());
+    fn source<'a, E>(k: &'a [E], v: &'a [E], s: &DecodeShape) -> PlainSource<'a, E> {
+        PlainSource {
+            keys: k,
+            values: v,
+            capacity: s.capacity,
+            head_dim: s.head_dim,
+            value_dim: s.value_dim,
+        }
+    }
     let out = match (&*ks, &*vs) {
         (Storage::Cpu(CpuStorage::BF16(k)), Storage::Cpu(CpuStorage::BF16(v))) => {
-            attend_typed(&qv, &k[ko..], &v[vo..], rows, s, scale)
+            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale)
         }
         (Storage::Cpu(CpuStorage::F16(k)), Storage::Cpu(CpuStorage::F16(v))) => {
-            attend_typed(&qv, &k[ko..], &v[vo..], rows, s, scale)
+            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale)
         }
         (Storage::Cpu(CpuStorage::F32(k)), Storage::Cpu(CpuStorage::F32(v))) => {
-            attend_typed(&qv, &k[ko..], &v[vo..], rows, s, scale)
+            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale)
         }
         _ => candle_core::bail!("fused decode read needs CPU planes of one float type"),
     };
@@ -281,4 +533,23 @@ pub(crate) fn attend(
         (s.rows, s.kv_heads * s.group, 1, s.value_dim),
         q.device(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_nonpositive;
+
+    #[test]
+    fn fast_exp_matches_f64_exp() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -87.0 * i as f32 / 200_000.0;
+            let want = (x as f64).exp();
+            let got = exp_nonpositive(x) as f64;
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 1e-6, "worst relative error {worst}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert!(exp_nonpositive(-1000.0) < 1e-37);
+    }
 }
