@@ -62,6 +62,8 @@ fn dequantize_row<const BITS: usize>(view: &PlaneView, slot: usize, group: usize
 /// Affine planes as a tile source: each position is dequantized on its way into the tile.
 struct AffineSource<'a> {
     planes: &'a AffinePlanes,
+    /// The CPU has AVX-512 (F + BW) and the bit width has a 512-bit unpacker.
+    wide: bool,
 }
 
 impl AffineSource<'_> {
@@ -81,6 +83,12 @@ impl AffineSource<'_> {
     #[inline(always)]
     fn fill(&self, view: &PlaneView, slots: Range<usize>, out: &mut [f32]) {
         let group = self.planes.group();
+        #[cfg(target_arch = "x86_64")]
+        if self.wide {
+            // SAFETY: `wide` is set only where the CPU has the features.
+            unsafe { x86::dequantize_rows(view, self.planes.bits(), group, slots, out) };
+            return;
+        }
         match self.planes.bits() {
             2 => Self::rows::<2>(view, group, slots, out),
             3 => Self::rows::<3>(view, group, slots, out),
@@ -89,6 +97,108 @@ impl AffineSource<'_> {
             6 => Self::rows::<6>(view, group, slots, out),
             8 => Self::rows::<8>(view, group, slots, out),
             _ => unreachable!("affine bits are validated when the scheme is parsed"),
+        }
+    }
+}
+
+/// 512-bit dequantization of 2-, 4- and 8-bit rows in lane-major order: a block of 16 u32
+/// words (`16 · per` codes, `per = 32 / bits`) is loaded once; shifting all 16 words by
+/// `j · bits` yields code `j` of every word, stored as tile columns `j · 16 .. j · 16 + 16`.
+/// Column `block · 16 · per + j · 16 + w` thus holds element `block · 16 · per + w · per + j`
+/// ([`lane_major_order`]); no permute, and each block's scales and biases are one vector.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use crate::affine_planes::PlaneView;
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    pub fn available(bits: u8, dims: [usize; 2]) -> bool {
+        matches!(bits, 2 | 4 | 8)
+            && dims.iter().all(|d| d * bits as usize % 512 == 0)
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+    }
+
+    /// The element each tile column holds (see the module above).
+    pub fn lane_major_order(dim: usize, bits: u8) -> Vec<usize> {
+        let per = 32 / bits as usize;
+        (0..dim)
+            .map(|p| {
+                let (block, r) = (p / (16 * per), p % (16 * per));
+                let (j, w) = (r / 16, r % 16);
+                block * 16 * per + w * per + j
+            })
+            .collect()
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F and BW; `bits` must be 2, 4 or 8 and `dim · bits` a
+    /// multiple of 512.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+    pub unsafe fn dequantize_rows(
+        view: &PlaneView,
+        bits: u8,
+        group: usize,
+        slots: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let dim = out.len() / slots.len();
+        let per = 32 / bits as usize;
+        let block = 16 * per;
+        assert!(dim % block == 0 && group >= per && group % per == 0);
+        let mask = _mm512_set1_epi32((1 << bits) - 1);
+        // Lane w of block b takes the parameters of group (b·block + w·per) / group: their
+        // indices in the row's (scale, bias) list, computed once per call.
+        let scale_at: Vec<[i32; 16]> = (0..dim / block)
+            .map(|b| std::array::from_fn(|w| (2 * ((b * block + w * per) / group)) as i32))
+            .collect();
+        let (mut scales, mut biases) = ([0f32; 16], [0f32; 16]);
+        for (slot, row) in slots.zip(out.chunks_exact_mut(dim)) {
+            let codes = view.codes(slot);
+            let params = view.params(slot);
+            assert!(codes.len() * 32 == dim * bits as usize && params.len() * group == 2 * dim);
+            // (scale, bias) pairs widened 8 at a time (`to_f32` per value pays a dispatch).
+            let mut wide = [0f32; 64];
+            let n = params.len();
+            assert!(n <= 64, "at most 32 groups per row");
+            for (dst, src) in wide.chunks_exact_mut(8).zip(params.chunks_exact(8)) {
+                let h = _mm_loadu_si128(src.as_ptr().cast());
+                _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(h));
+            }
+            for i in n / 8 * 8..n {
+                wide[i] = params[i].to_f32();
+            }
+            let first16 = _mm512_loadu_ps(wide.as_ptr());
+            for (b, cols) in row.chunks_exact_mut(block).enumerate() {
+                let at = &scale_at[b];
+                let (s, bias) = if n <= 16 {
+                    // Every parameter sits in one register: two in-register permutes.
+                    let idx = _mm512_loadu_si512(at.as_ptr().cast());
+                    let idx1 = _mm512_add_epi32(idx, _mm512_set1_epi32(1));
+                    (
+                        _mm512_permutexvar_ps(idx, first16),
+                        _mm512_permutexvar_ps(idx1, first16),
+                    )
+                } else {
+                    for w in 0..16 {
+                        scales[w] = wide[at[w] as usize];
+                        biases[w] = wide[at[w] as usize + 1];
+                    }
+                    (
+                        _mm512_loadu_ps(scales.as_ptr()),
+                        _mm512_loadu_ps(biases.as_ptr()),
+                    )
+                };
+                let words = _mm512_loadu_si512(codes.as_ptr().add(b * 16).cast());
+                for j in 0..per {
+                    let v = _mm512_and_si512(
+                        _mm512_srlv_epi32(words, _mm512_set1_epi32((j * bits as usize) as i32)),
+                        mask,
+                    );
+                    let f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, bias);
+                    _mm512_storeu_ps(cols.as_mut_ptr().add(j * 16), f);
+                }
+            }
         }
     }
 }
@@ -103,6 +213,19 @@ impl TileSource for AffineSource<'_> {
     fn values(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
         self.fill(&self.planes.views(block).1, slots, out)
     }
+
+    fn orders(&self) -> Option<(Vec<usize>, Vec<usize>)> {
+        #[cfg(target_arch = "x86_64")]
+        if self.wide {
+            let (_, d, dv) = self.planes.geometry();
+            let bits = self.planes.bits();
+            return Some((
+                x86::lane_major_order(d, bits),
+                x86::lane_major_order(dv, bits),
+            ));
+        }
+        None
+    }
 }
 
 /// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over affine `planes`, each row over
@@ -115,7 +238,11 @@ pub(crate) fn attend(
     scale: f32,
 ) -> candle_core::Result<Tensor> {
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
-    let out = decode::attend_source(&qv, &AffineSource { planes }, rows, s, scale);
+    #[cfg(target_arch = "x86_64")]
+    let wide = x86::available(planes.bits(), [s.head_dim, s.value_dim]);
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
+    let out = decode::attend_source(&qv, &AffineSource { planes, wide }, rows, s, scale);
     Tensor::from_vec(
         out,
         (s.rows, s.kv_heads * s.group, 1, s.value_dim),

@@ -176,6 +176,13 @@ where
 pub(crate) trait TileSource: Sync {
     fn keys(&self, block: usize, slots: Range<usize>, out: &mut [f32]);
     fn values(&self, block: usize, slots: Range<usize>, out: &mut [f32]);
+    /// Where a source writes its rows' elements in an order of its own (one that decodes
+    /// faster), `order[p]` is the element stored at tile column `p`, for keys and for
+    /// values. Dot products do not care about the order once queries follow it, and the
+    /// output is put back in element order once per read.
+    fn orders(&self) -> Option<(Vec<usize>, Vec<usize>)> {
+        None
+    }
 }
 
 /// Plain planes `(rows, kv_heads, capacity, dim)` of one element type.
@@ -369,12 +376,80 @@ mod x86 {
             }
         }
     }
+
+    /// [`score_tile`] with 512-bit vectors; `d` must be a multiple of 32.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn score_tile512<const G: usize>(
+        q: &[f32],
+        keys: &[f32],
+        n: usize,
+        d: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        assert!(q.len() >= G * d && keys.len() >= n * d && d % 32 == 0);
+        assert!(n == 0 || out.len() > (G - 1) * stride + n - 1);
+        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+        for i in 0..n {
+            let k = kp.add(i * d);
+            let mut acc = [[_mm512_setzero_ps(); 2]; G];
+            for c in (0..d).step_by(32) {
+                let k0 = _mm512_loadu_ps(k.add(c));
+                let k1 = _mm512_loadu_ps(k.add(c + 16));
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let qh = qp.add(h * d + c);
+                    a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(qh), k0, a[0]);
+                    a[1] = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16)), k1, a[1]);
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                out[h * stride + i] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+            }
+        }
+    }
+
+    /// [`accumulate_tile`] with 512-bit vectors; `dv` must be a multiple of 32.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn accumulate_tile512<const G: usize>(
+        weights: &[f32],
+        stride: usize,
+        values: &[f32],
+        n: usize,
+        dv: usize,
+        out: &mut [f32],
+    ) {
+        assert!(values.len() >= n * dv && out.len() >= G * dv && dv % 32 == 0);
+        assert!(n == 0 || weights.len() > (G - 1) * stride + n - 1);
+        let (wp, vp, op) = (weights.as_ptr(), values.as_ptr(), out.as_mut_ptr());
+        for c in (0..dv).step_by(32) {
+            let mut acc = [[_mm512_setzero_ps(); 2]; G];
+            for (h, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm512_loadu_ps(op.add(h * dv + c));
+                a[1] = _mm512_loadu_ps(op.add(h * dv + c + 16));
+            }
+            for i in 0..n {
+                let v = vp.add(i * dv + c);
+                let (v0, v1) = (_mm512_loadu_ps(v), _mm512_loadu_ps(v.add(16)));
+                for (h, a) in acc.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*wp.add(h * stride + i));
+                    a[0] = _mm512_fmadd_ps(w, v0, a[0]);
+                    a[1] = _mm512_fmadd_ps(w, v1, a[1]);
+                }
+            }
+            for (h, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(op.add(h * dv + c), a[0]);
+                _mm512_storeu_ps(op.add(h * dv + c + 16), a[1]);
+            }
+        }
+    }
 }
 
-/// One piece: `g` query heads of one KV head over `slots`. `SIMD`: the AVX2 + FMA
-/// kernels may be used (the caller checked the CPU).
+/// One piece: `g` query heads of one KV head over `slots`. `LEVEL`: which x86 kernels the
+/// caller checked the CPU for (0 none, 1 AVX2 + FMA, 2 AVX-512 too).
 #[inline(always)]
-fn tile_span<S: TileSource, const G: usize, const SIMD: bool>(
+fn tile_span<S: TileSource, const G: usize, const LEVEL: u8>(
     source: &S,
     block: usize,
     q: &[f32],
@@ -385,7 +460,11 @@ fn tile_span<S: TileSource, const G: usize, const SIMD: bool>(
     let mut tile = vec![0f32; SUB_TILE * d.max(dv)];
     let mut scores = vec![0f32; g * n];
     let mut acc = vec![0f32; g * dv];
-    let simd = SIMD && d % 16 == 0 && dv % 16 == 0;
+    let level = match LEVEL {
+        2 if d % 32 == 0 && dv % 32 == 0 => 2,
+        1 | 2 if d % 16 == 0 && dv % 16 == 0 => 1,
+        _ => 0,
+    };
     // A group size without its own instance runs one head at a time.
     let (heads, per_call) = if G == g { (1, G) } else { (g, 1) };
     for t0 in (0..n).step_by(SUB_TILE) {
@@ -394,15 +473,16 @@ fn tile_span<S: TileSource, const G: usize, const SIMD: bool>(
         source.keys(block, sub, &mut tile[..m * d]);
         for h in 0..heads {
             let (q, out) = (&q[h * d..], &mut scores[h * n + t0..]);
+            // SAFETY (both): the caller checked the CPU; shapes are asserted inside.
             #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: the caller checked AVX2 + FMA; shapes are asserted inside.
-                unsafe {
-                    match per_call {
-                        1 => x86::score_tile::<1>(q, &tile, m, d, out, n),
-                        _ => x86::score_tile::<G>(q, &tile, m, d, out, n),
-                    }
-                }
+            match (level, per_call) {
+                (2, 1) => unsafe { x86::score_tile512::<1>(q, &tile, m, d, out, n) },
+                (2, _) => unsafe { x86::score_tile512::<G>(q, &tile, m, d, out, n) },
+                (1, 1) => unsafe { x86::score_tile::<1>(q, &tile, m, d, out, n) },
+                (1, _) => unsafe { x86::score_tile::<G>(q, &tile, m, d, out, n) },
+                _ => {}
+            }
+            if level > 0 {
                 continue;
             }
             match per_call {
@@ -418,15 +498,16 @@ fn tile_span<S: TileSource, const G: usize, const SIMD: bool>(
         source.values(block, sub, &mut tile[..m * dv]);
         for h in 0..heads {
             let (w, out) = (&scores[h * n + t0..], &mut acc[h * dv..]);
+            // SAFETY (both): as above.
             #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: as above.
-                unsafe {
-                    match per_call {
-                        1 => x86::accumulate_tile::<1>(w, n, &tile, m, dv, out),
-                        _ => x86::accumulate_tile::<G>(w, n, &tile, m, dv, out),
-                    }
-                }
+            match (level, per_call) {
+                (2, 1) => unsafe { x86::accumulate_tile512::<1>(w, n, &tile, m, dv, out) },
+                (2, _) => unsafe { x86::accumulate_tile512::<G>(w, n, &tile, m, dv, out) },
+                (1, 1) => unsafe { x86::accumulate_tile::<1>(w, n, &tile, m, dv, out) },
+                (1, _) => unsafe { x86::accumulate_tile::<G>(w, n, &tile, m, dv, out) },
+                _ => {}
+            }
+            if level > 0 {
                 continue;
             }
             match per_call {
@@ -439,7 +520,7 @@ fn tile_span<S: TileSource, const G: usize, const SIMD: bool>(
 }
 
 #[inline(always)]
-fn tile_span_any<S: TileSource, const SIMD: bool>(
+fn tile_span_any<S: TileSource, const LEVEL: u8>(
     source: &S,
     block: usize,
     q: &[f32],
@@ -447,10 +528,10 @@ fn tile_span_any<S: TileSource, const SIMD: bool>(
     s: &DecodeShape,
 ) -> Partial {
     match s.group {
-        2 => tile_span::<S, 2, SIMD>(source, block, q, slots, s),
-        4 => tile_span::<S, 4, SIMD>(source, block, q, slots, s),
-        8 => tile_span::<S, 8, SIMD>(source, block, q, slots, s),
-        _ => tile_span::<S, 1, SIMD>(source, block, q, slots, s),
+        2 => tile_span::<S, 2, LEVEL>(source, block, q, slots, s),
+        4 => tile_span::<S, 4, LEVEL>(source, block, q, slots, s),
+        8 => tile_span::<S, 8, LEVEL>(source, block, q, slots, s),
+        _ => tile_span::<S, 1, LEVEL>(source, block, q, slots, s),
     }
 }
 
@@ -463,7 +544,19 @@ unsafe fn tile_span_avx2<S: TileSource>(
     slots: Range<usize>,
     s: &DecodeShape,
 ) -> Partial {
-    tile_span_any::<S, true>(source, block, q, slots, s)
+    tile_span_any::<S, 1>(source, block, q, slots, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
+unsafe fn tile_span_avx512<S: TileSource>(
+    source: &S,
+    block: usize,
+    q: &[f32],
+    slots: Range<usize>,
+    s: &DecodeShape,
+) -> Partial {
+    tile_span_any::<S, 2>(source, block, q, slots, s)
 }
 
 /// Attends `q` (rows × kv_heads × group × head_dim, f32) over `source`, each row over its
@@ -475,22 +568,48 @@ pub(crate) fn attend_source<S: TileSource>(
     s: &DecodeShape,
     scale: f32,
 ) -> Vec<f32> {
-    let q: Vec<f32> = q.iter().map(|x| x * scale).collect();
-    let (g, d) = (s.group, s.head_dim);
+    let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
+    let orders = source.orders();
+    let q: Vec<f32> = match &orders {
+        Some((key_order, _)) => q
+            .chunks_exact(d)
+            .flat_map(|head| key_order.iter().map(move |&e| head[e] * scale))
+            .collect(),
+        None => q.iter().map(|x| x * scale).collect(),
+    };
     #[cfg(target_arch = "x86_64")]
-    let simd = std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("fma")
-        && std::is_x86_feature_detected!("f16c");
-    run_pieces(rows, s, |r, h, slots| {
+    let level = {
+        let avx2 = std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c");
+        let avx512 =
+            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512vl");
+        avx2 as u8 + (avx2 && avx512) as u8
+    };
+    let out = run_pieces(rows, s, |r, h, slots| {
         let block = r * s.kv_heads + h;
         let qh = &q[block * g * d..][..g * d];
+        // SAFETY (both): the features were detected above.
         #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: the features were detected above.
-            return unsafe { tile_span_avx2(source, block, qh, slots, s) };
+        match level {
+            2 => return unsafe { tile_span_avx512(source, block, qh, slots, s) },
+            1 => return unsafe { tile_span_avx2(source, block, qh, slots, s) },
+            _ => {}
         }
-        tile_span_any::<S, false>(source, block, qh, slots, s)
-    })
+        tile_span_any::<S, 0>(source, block, qh, slots, s)
+    });
+    match orders {
+        Some((_, value_order)) => {
+            let mut ordered = vec![0f32; out.len()];
+            for (src, dst) in out.chunks_exact(dv).zip(ordered.chunks_exact_mut(dv)) {
+                for (&e, &x) in value_order.iter().zip(src) {
+                    dst[e] = x;
+                }
+            }
+            ordered
+        }
+        None => out,
+    }
 }
 
 /// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over plain `keys`/`values` planes
