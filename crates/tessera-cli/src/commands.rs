@@ -49,6 +49,7 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     let path = model_path(args)?;
     let options = LoadOptions {
         reencode_q5_0: !args.keep_q5_0,
+        dequantize: args.f32_weights,
         ..Default::default()
     };
     Ok(Model::load(&path, &options, &Device::Cpu)?)

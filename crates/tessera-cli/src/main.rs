@@ -29,6 +29,11 @@ pub struct ModelArgs {
     /// Load Q5_0 weights as stored instead of re-encoding them (losslessly) to Q8_0.
     #[arg(long)]
     pub keep_q5_0: bool,
+    /// Dequantize every weight matrix to f32 at load (slow, ~1.2 GB for the default model).
+    /// Quality studies use it: the int8 activations of quantized matmuls turn any tiny
+    /// change upstream into rounding flips, a noise floor of its own.
+    #[arg(long)]
+    pub f32_weights: bool,
 }
 
 /// KV cache options.

@@ -1,7 +1,6 @@
 //! The fused decode read of affine storage: the shared decode kernel ([`crate::decode`])
-//! with a tile source that dequantizes each piece's positions from the packed codes as it
-//! fills the piece's tile. Nothing larger than one piece (256 positions) is ever
-//! dequantized.
+//! with a tile source that dequantizes positions from the packed codes as it fills a
+//! sub-tile: nothing larger than 32 positions is ever dequantized.
 //!
 //! (Applying scale and bias per group on the fly — `s·(q·c) + β·Σq` — measured slower: it
 //! needs a horizontal sum per group and head.)

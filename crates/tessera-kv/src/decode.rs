@@ -2,8 +2,8 @@
 //! planes of any codec. Work is split into pieces of at most [`CHUNK`] positions of one
 //! (row, KV head) across the CPU pool, and the partial softmax states are merged (the
 //! flash-decoding scheme). A piece's keys and values are decoded by its [`TileSource`] into
-//! a small f32 tile (never the whole cache), then every query head of the KV head (GQA
-//! folded) is scored against the tile at once and the values accumulated with the
+//! f32 sub-tiles of [`SUB_TILE`] positions (never the whole cache); every query head of the
+//! KV head (GQA folded) is scored per key load, and values are accumulated with the
 //! accumulators held in registers across positions.
 
 use candle_core::{CpuStorage, Storage, Tensor};

@@ -617,3 +617,40 @@ proptest! {
         fused_reads_case(codec, kvh, gqa, d, window, pads, prefill, &appends, seed);
     }
 }
+
+/// The peak-memory bound of the bf16-first transition: layers convert one at a time, each
+/// dropping its bf16 planes inside its own append, so between any two layer appends at most
+/// the layers not yet reached hold bf16 and no layer holds both encodings. Byte counts come
+/// from the storage formulas, not from the cache's own accounting.
+#[test]
+fn conversion_frees_bf16_layer_by_layer() {
+    let (layers, d, start) = (4, 256, 40);
+    let spec = LayerSpec {
+        kv_heads: 1,
+        head_dim: d,
+        value_dim: d,
+        retention: Retention::Full,
+    };
+    let mut scheme = KvScheme::parse("affine:4").unwrap();
+    scheme.quantized_kv_start = start;
+    let mut cache = KvCache::new(&vec![spec; layers], &scheme, vec![0]).unwrap();
+    // Capacity grows in steps of 256 slots in both encodings.
+    let bf16_layer = 256 * 2 * d * 2;
+    let affine_layer = 256 * 2 * (d * 4 / 8 + d / 64 * 4);
+    let mut seed = 9;
+    let (k, _) = random((1, 1, 30, d), &mut seed);
+    for l in 0..layers {
+        cache.layer_mut(l).append_window(&k, &k).unwrap();
+    }
+    assert_eq!(cache.allocated_bytes(), layers * bf16_layer);
+    let (k, _) = random((1, 1, 20, d), &mut seed);
+    for l in 0..layers {
+        cache.layer_mut(l).append_window(&k, &k).unwrap();
+        let converted = l + 1;
+        assert_eq!(
+            cache.allocated_bytes(),
+            converted * affine_layer + (layers - converted) * bf16_layer,
+            "after layer {l}'s converting append"
+        );
+    }
+}
