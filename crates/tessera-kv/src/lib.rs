@@ -27,6 +27,7 @@ pub mod plain;
 mod read;
 pub mod rows;
 mod scheme;
+pub mod turbo;
 
 pub use cache::{AttentionCache, KvCache, LayerCache};
 pub use error::KvError;
