@@ -61,8 +61,10 @@ fn dequantize_row<const BITS: usize>(view: &PlaneView, slot: usize, group: usize
 /// Affine planes as a tile source: each position is dequantized on its way into the tile.
 struct AffineSource<'a> {
     planes: &'a AffinePlanes,
-    /// The CPU has AVX-512 (F + BW) and the bit width has a 512-bit unpacker.
+    /// The CPU has AVX-512 (F + BW) and the bit width has a 512-bit unpacker, which writes
+    /// rows lane-major: `orders` are then the element at each tile column, keys and values.
     wide: bool,
+    orders: Option<(Vec<usize>, Vec<usize>)>,
 }
 
 impl AffineSource<'_> {
@@ -213,17 +215,22 @@ impl TileSource for AffineSource<'_> {
         self.fill(&self.planes.views(block).1, slots, out)
     }
 
-    fn orders(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-        #[cfg(target_arch = "x86_64")]
-        if self.wide {
-            let (_, d, dv) = self.planes.geometry();
-            let bits = self.planes.bits();
-            return Some((
-                x86::lane_major_order(d, bits),
-                x86::lane_major_order(dv, bits),
-            ));
+    fn prepare_query(&self, q: &mut [f32]) {
+        if let Some((key_order, _)) = &self.orders {
+            let element_order = q.to_vec();
+            for (x, &e) in q.iter_mut().zip(key_order) {
+                *x = element_order[e];
+            }
         }
-        None
+    }
+
+    fn finish_output(&self, out: &mut [f32]) {
+        if let Some((_, value_order)) = &self.orders {
+            let tile_order = out.to_vec();
+            for (&x, &e) in tile_order.iter().zip(value_order) {
+                out[e] = x;
+            }
+        }
     }
 }
 
@@ -241,7 +248,22 @@ pub(crate) fn attend(
     let wide = x86::available(planes.bits(), [s.head_dim, s.value_dim]);
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
-    let out = decode::attend_source(&qv, &AffineSource { planes, wide }, rows, s, scale);
+    #[cfg(target_arch = "x86_64")]
+    let orders = wide.then(|| {
+        let bits = planes.bits();
+        (
+            x86::lane_major_order(s.head_dim, bits),
+            x86::lane_major_order(s.value_dim, bits),
+        )
+    });
+    #[cfg(not(target_arch = "x86_64"))]
+    let orders = None;
+    let source = AffineSource {
+        planes,
+        wide,
+        orders,
+    };
+    let out = decode::attend_source(&qv, &source, rows, s, scale);
     Tensor::from_vec(
         out,
         (s.rows, s.kv_heads * s.group, 1, s.value_dim),

@@ -5,6 +5,7 @@ use crate::affine_planes::AffinePlanes;
 use crate::decode::RowSlots;
 use crate::plain::PlainPlanes;
 use crate::rows::Rows;
+use crate::turbo_planes::TurboPlanes;
 use crate::{AttentionRead, Codec, KvError, KvScheme, LayerSpec, PlainDType, Retention};
 use candle_core::Tensor;
 use std::borrow::Cow;
@@ -31,6 +32,7 @@ pub trait AttentionCache {
 enum Planes {
     Plain(PlainPlanes),
     Affine(AffinePlanes),
+    Turbo(TurboPlanes),
 }
 
 impl Planes {
@@ -47,6 +49,10 @@ impl Planes {
                 p.reserve(slots, limit);
                 Ok(())
             }
+            Planes::Turbo(p) => {
+                p.reserve(slots, limit);
+                Ok(())
+            }
         }
     }
 
@@ -54,6 +60,7 @@ impl Planes {
         match self {
             Planes::Plain(p) => p.write(slot, k, v),
             Planes::Affine(p) => p.write(slot, k, v),
+            Planes::Turbo(p) => p.write(slot, k, v),
         }
     }
 
@@ -61,13 +68,15 @@ impl Planes {
         match self {
             Planes::Plain(p) => p.read(slot, len),
             Planes::Affine(p) => p.read(slot, len),
+            Planes::Turbo(p) => p.read(slot, len),
         }
     }
 
-    fn as_stored(&self, x: &Tensor) -> Result<Tensor, KvError> {
+    fn as_stored(&self, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
         match self {
             Planes::Plain(p) => p.as_stored(x),
             Planes::Affine(p) => p.as_stored(x),
+            Planes::Turbo(p) => p.as_stored(x, keys),
         }
     }
 
@@ -75,6 +84,7 @@ impl Planes {
         match self {
             Planes::Plain(p) => p.allocated_bytes(),
             Planes::Affine(p) => p.allocated_bytes(),
+            Planes::Turbo(p) => p.allocated_bytes(),
         }
     }
 
@@ -82,6 +92,7 @@ impl Planes {
         match self {
             Planes::Plain(p) => p.capacity(),
             Planes::Affine(p) => p.capacity(),
+            Planes::Turbo(p) => p.capacity(),
         }
     }
 
@@ -89,6 +100,7 @@ impl Planes {
         match self {
             Planes::Plain(p) => format!("plain:{}", p.dtype().name()),
             Planes::Affine(p) => format!("affine:{}:{}", p.bits(), p.group()),
+            Planes::Turbo(p) => format!("turbo:{}:{}", p.bits().0, p.bits().1),
         }
     }
 }
@@ -118,6 +130,13 @@ impl LayerCache {
         quantized_kv_start: usize,
         left_pad: Vec<usize>,
     ) -> Result<Self, KvError> {
+        if let Codec::Turbo { .. } = codec {
+            for dim in [spec.head_dim, spec.value_dim] {
+                if !dim.is_power_of_two() {
+                    return Err(KvError::TurboDim { layer, dim });
+                }
+            }
+        }
         if let Codec::Affine { group, .. } = codec {
             for dim in [spec.head_dim, spec.value_dim] {
                 if dim % group as usize != 0 {
@@ -188,7 +207,7 @@ impl LayerCache {
     /// index) carry over unchanged.
     fn convert_if_due(&mut self) -> Result<(), KvError> {
         let end = self.rows.end();
-        let Some(Codec::Affine { bits, group }) = self.target else {
+        let Some(target) = self.target else {
             return Ok(());
         };
         if !self.awaiting_conversion() || end < self.start || end == 0 {
@@ -198,23 +217,27 @@ impl LayerCache {
             Retention::Full => end,
             Retention::Window { size } => end.min(size),
         };
-        let mut affine = AffinePlanes::new(
-            bits,
-            group as usize,
-            self.rows.batch(),
-            self.spec.kv_heads,
-            self.spec.head_dim,
-            self.spec.value_dim,
-        );
         let limit = match self.spec.retention {
             Retention::Full => usize::MAX,
             Retention::Window { size } => size,
         };
-        affine.reserve(used.max(self.planes.capacity().min(limit)), limit);
+        let slots = used.max(self.planes.capacity().min(limit));
         let (k, v) = self.planes.read(0, used)?;
-        affine.write(0, &k, &v)?;
+        let (rows, heads) = (self.rows.batch(), self.spec.kv_heads);
+        let (d, dv) = (self.spec.head_dim, self.spec.value_dim);
+        let mut converted = match target {
+            Codec::Affine { bits, group } => {
+                Planes::Affine(AffinePlanes::new(bits, group as usize, rows, heads, d, dv))
+            }
+            Codec::Turbo { kbits, vbits } => {
+                Planes::Turbo(TurboPlanes::new(kbits, vbits, rows, heads, d, dv))
+            }
+            Codec::Plain(_) => return Ok(()),
+        };
+        converted.reserve(&k, &v, slots, limit)?;
+        converted.write(0, &k, &v)?;
         // The bf16 source is freed here, before any other layer converts.
-        self.planes = Planes::Affine(affine);
+        self.planes = converted;
         if self.start > 0 {
             self.minimum_reusable_offset = Some(end);
         }
@@ -277,8 +300,8 @@ impl LayerCache {
                 // the new positions overwrite their slots.
                 let kept = start.min(size - 1);
                 let (old_k, old_v) = self.read_ring(start - kept, kept, size)?;
-                let new_k = self.planes.as_stored(k)?;
-                let new_v = self.planes.as_stored(v)?;
+                let new_k = self.planes.as_stored(k, true)?;
+                let new_v = self.planes.as_stored(v, false)?;
                 let (keys, values) = match (old_k, old_v) {
                     (Some(ok), Some(ov)) => (
                         Tensor::cat(&[&ok, &new_k], 2)?,
@@ -403,6 +426,12 @@ impl LayerCache {
             };
             return Ok(AttentionRead::affine_decode(affine, rows));
         }
+        if matches!(self.planes, Planes::Turbo(_)) {
+            let Planes::Turbo(turbo) = &self.planes else {
+                unreachable!()
+            };
+            return Ok(AttentionRead::turbo_decode(turbo, rows));
+        }
         let Planes::Plain(plain) = &self.planes else {
             unreachable!()
         };
@@ -496,6 +525,16 @@ impl AttentionCache for LayerCache {
                 self.spec.value_dim,
             )
             .bytes_per_position(),
+            (Planes::Turbo(p), _) => p.bytes_per_position(),
+            (Planes::Plain(_), Some(Codec::Turbo { kbits, vbits })) => TurboPlanes::new(
+                kbits,
+                vbits,
+                1,
+                self.spec.kv_heads,
+                self.spec.head_dim,
+                self.spec.value_dim,
+            )
+            .bytes_per_position(),
             (Planes::Plain(p), _) => {
                 self.spec.kv_heads
                     * (self.spec.head_dim + self.spec.value_dim)
@@ -508,6 +547,7 @@ impl AttentionCache for LayerCache {
     fn signature(&self) -> String {
         let codec = match self.target {
             Some(Codec::Affine { bits, group }) => format!("bf16-first:affine:{bits}:{group}"),
+            Some(Codec::Turbo { kbits, vbits }) => format!("bf16-first:turbo:{kbits}:{vbits}"),
             _ => self.planes.signature(),
         };
         match self.spec.retention {

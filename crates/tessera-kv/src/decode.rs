@@ -176,13 +176,13 @@ where
 pub(crate) trait TileSource: Sync {
     fn keys(&self, block: usize, slots: Range<usize>, out: &mut [f32]);
     fn values(&self, block: usize, slots: Range<usize>, out: &mut [f32]);
-    /// Where a source writes its rows' elements in an order of its own (one that decodes
-    /// faster), `order[p]` is the element stored at tile column `p`, for keys and for
-    /// values. Dot products do not care about the order once queries follow it, and the
-    /// output is put back in element order once per read.
-    fn orders(&self) -> Option<(Vec<usize>, Vec<usize>)> {
-        None
-    }
+    /// Maps one query head vector (`head_dim`) into the space the key rows are decoded in
+    /// (an order of their own that unpacks faster, a rotation). Linear and orthogonal, so
+    /// scores are unchanged. Default: as is.
+    fn prepare_query(&self, _q: &mut [f32]) {}
+    /// Maps one output head vector (`value_dim`) from the space the value rows are decoded
+    /// in back to element order, once per read. Default: as is.
+    fn finish_output(&self, _out: &mut [f32]) {}
 }
 
 /// Plain planes `(rows, kv_heads, capacity, dim)` of one element type.
@@ -569,14 +569,9 @@ pub(crate) fn attend_source<S: TileSource>(
     scale: f32,
 ) -> Vec<f32> {
     let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
-    let orders = source.orders();
-    let q: Vec<f32> = match &orders {
-        Some((key_order, _)) => q
-            .chunks_exact(d)
-            .flat_map(|head| key_order.iter().map(move |&e| head[e] * scale))
-            .collect(),
-        None => q.iter().map(|x| x * scale).collect(),
-    };
+    let mut q: Vec<f32> = q.iter().map(|x| x * scale).collect();
+    q.chunks_exact_mut(d)
+        .for_each(|head| source.prepare_query(head));
     #[cfg(target_arch = "x86_64")]
     let level = {
         let avx2 = std::is_x86_feature_detected!("avx2")
@@ -598,18 +593,10 @@ pub(crate) fn attend_source<S: TileSource>(
         }
         tile_span_any::<S, 0>(source, block, qh, slots, s)
     });
-    match orders {
-        Some((_, value_order)) => {
-            let mut ordered = vec![0f32; out.len()];
-            for (src, dst) in out.chunks_exact(dv).zip(ordered.chunks_exact_mut(dv)) {
-                for (&e, &x) in value_order.iter().zip(src) {
-                    dst[e] = x;
-                }
-            }
-            ordered
-        }
-        None => out,
-    }
+    let mut out = out;
+    out.chunks_exact_mut(dv)
+        .for_each(|head| source.finish_output(head));
+    out
 }
 
 /// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over plain `keys`/`values` planes

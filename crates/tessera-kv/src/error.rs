@@ -12,6 +12,12 @@ pub enum KvError {
     #[error("affine KV with {bits} bits and group {group} is not supported (bits: 2, 3, 4, 5, 6, 8; groups: 32, 64, 128)")]
     UnsupportedAffine { bits: u32, group: u32 },
 
+    #[error("turbo KV with {kbits}-bit keys and {vbits}-bit values is not supported (bits: 2 to 8 each)")]
+    UnsupportedTurbo { kbits: u32, vbits: u32 },
+
+    #[error("layer {layer}: turbo KV needs a power-of-two head dimension for its Hadamard rotation, got {dim}")]
+    TurboDim { layer: usize, dim: usize },
+
     #[error(
         "layer {layer}: head dimension {dim} is not divisible by the quantization group {group}"
     )]

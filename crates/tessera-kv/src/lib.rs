@@ -28,6 +28,8 @@ mod read;
 pub mod rows;
 mod scheme;
 pub mod turbo;
+mod turbo_decode;
+pub mod turbo_planes;
 
 pub use cache::{AttentionCache, KvCache, LayerCache};
 pub use error::KvError;

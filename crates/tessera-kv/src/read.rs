@@ -6,6 +6,8 @@ use crate::affine_decode;
 use crate::affine_planes::AffinePlanes;
 use crate::decode::{self, DecodeShape, RowSlots};
 use crate::rows::Rows;
+use crate::turbo_decode;
+use crate::turbo_planes::TurboPlanes;
 use crate::KvError;
 use candle_core::{DType, Tensor, D};
 use std::borrow::Cow;
@@ -66,6 +68,11 @@ enum Source<'a> {
         planes: &'a AffinePlanes,
         rows: Vec<RowSlots>,
     },
+    /// One query position per row, straight from TurboQuant codes.
+    TurboDecode {
+        planes: &'a TurboPlanes,
+        rows: Vec<RowSlots>,
+    },
     /// A causal chunk of queries over packed affine slots: the cache's own planes, or (for a
     /// ring whose old slots the chunk overwrites) a packed copy of the span it needs.
     AffineChunk {
@@ -108,6 +115,13 @@ impl<'a> AttentionRead<'a> {
         }
     }
 
+    /// A one-position read straight from TurboQuant planes.
+    pub(crate) fn turbo_decode(planes: &'a TurboPlanes, rows: Vec<RowSlots>) -> Self {
+        AttentionRead {
+            source: Source::TurboDecode { planes, rows },
+        }
+    }
+
     /// A causal chunk read straight from packed affine slots.
     pub(crate) fn affine_chunk(
         planes: Cow<'a, AffinePlanes>,
@@ -140,6 +154,10 @@ impl<'a> AttentionRead<'a> {
                 rows,
             ),
             Source::AffineDecode { planes, rows } => {
+                let (k, v) = planes.read(0, planes.capacity())?;
+                (k, v, rows)
+            }
+            Source::TurboDecode { planes, rows } => {
                 let (k, v) = planes.read(0, planes.capacity())?;
                 (k, v, rows)
             }
@@ -212,6 +230,17 @@ impl<'a> AttentionRead<'a> {
                     planes,
                     pads,
                     &geometry,
+                    scale,
+                )?);
+            }
+            Source::TurboDecode { planes, rows } => {
+                let (kvh, d, dv) = planes.geometry();
+                let shape = decode_shape(q, (rows.len(), kvh, planes.capacity(), d), dv)?;
+                return Ok(turbo_decode::attend(
+                    &q.contiguous()?,
+                    planes,
+                    rows,
+                    &shape,
                     scale,
                 )?);
             }

@@ -45,6 +45,9 @@ pub enum Codec {
     /// Affine-quantized (mlx's layout and rounding; see [`crate::affine`]), held in bf16
     /// until the layer holds `quantized_kv_start` positions.
     Affine { bits: u8, group: u16 },
+    /// TurboQuant (see [`crate::turbo`]): per vector a norm and the Lloyd–Max codes of its
+    /// rotated coordinates, `kbits` for keys and `vbits` for values; bf16-first like affine.
+    Turbo { kbits: u8, vbits: u8 },
 }
 
 impl Codec {
@@ -59,6 +62,7 @@ impl fmt::Display for Codec {
         match self {
             Codec::Plain(d) => f.write_str(d.name()),
             Codec::Affine { bits, group } => write!(f, "affine:{bits}:{group}"),
+            Codec::Turbo { kbits, vbits } => write!(f, "turbo:{kbits}:{vbits}"),
         }
     }
 }
@@ -90,7 +94,10 @@ pub struct KvScheme {
     pub quantized_kv_start: usize,
 }
 
-const SUPPORTED: &str = "bf16, f16, f32, affine:BITS[:GROUP]";
+/// Bit widths turbo keys and values accept.
+const TURBO_BITS: std::ops::RangeInclusive<u32> = 2..=8;
+
+const SUPPORTED: &str = "bf16, f16, f32, affine:BITS[:GROUP], turbo:KBITS[:VBITS]";
 
 impl KvScheme {
     pub fn uniform(codec: Codec) -> Self {
@@ -118,7 +125,8 @@ impl KvScheme {
 }
 
 impl Codec {
-    /// Parses one codec name: `bf16`, `f16`, `f32`, `affine:BITS[:GROUP]` (group 64 by default).
+    /// Parses one codec name: `bf16`, `f16`, `f32`, `affine:BITS[:GROUP]` (group 64 by
+    /// default), `turbo:KBITS[:VBITS]` (values as keys by default).
     pub fn parse(text: &str) -> Result<Self, KvError> {
         let unknown = || KvError::UnknownScheme {
             given: text.to_string(),
@@ -147,6 +155,23 @@ impl Codec {
                 Codec::Affine {
                     bits: bits as u8,
                     group: group as u16,
+                }
+            }
+            "turbo" => {
+                let kbits: u32 = parts
+                    .next()
+                    .and_then(|b| b.parse().ok())
+                    .ok_or_else(unknown)?;
+                let vbits: u32 = match parts.next() {
+                    Some(v) => v.parse().map_err(|_| unknown())?,
+                    None => kbits,
+                };
+                if !(TURBO_BITS.contains(&kbits) && TURBO_BITS.contains(&vbits)) {
+                    return Err(KvError::UnsupportedTurbo { kbits, vbits });
+                }
+                Codec::Turbo {
+                    kbits: kbits as u8,
+                    vbits: vbits as u8,
                 }
             }
             _ => return Err(unknown()),

@@ -159,6 +159,20 @@ impl Codebook {
         }
     }
 
+    /// [`Codebook::lloyd_max`], computed once per `(dim, bits)` for the whole process.
+    pub fn shared(dim: usize, bits: u8) -> Codebook {
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        static BOOKS: OnceLock<Mutex<HashMap<(usize, u8), Codebook>>> = OnceLock::new();
+        let books = BOOKS.get_or_init(|| Mutex::new(HashMap::new()));
+        if let Some(book) = books.lock().unwrap().get(&(dim, bits)) {
+            return book.clone();
+        }
+        let book = Codebook::lloyd_max(dim, bits);
+        books.lock().unwrap().insert((dim, bits), book.clone());
+        book
+    }
+
     /// The code of `x`: the index of its cell.
     #[inline]
     pub fn encode(&self, x: f32) -> u8 {

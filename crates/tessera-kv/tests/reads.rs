@@ -591,6 +591,7 @@ fn codec_strategy() -> impl Strategy<Value = Codec> {
             prop::sample::select(vec![32u16, 64, 128])
         )
             .prop_map(|(bits, group)| Codec::Affine { bits, group }),
+        (2u8..=8, 2u8..=8).prop_map(|(kbits, vbits)| Codec::Turbo { kbits, vbits }),
     ]
 }
 
@@ -653,4 +654,41 @@ fn conversion_frees_bf16_layer_by_layer() {
             "after layer {l}'s converting append"
         );
     }
+}
+
+#[test]
+fn turbo_schemes_parse_account_and_refuse_bad_input() {
+    assert_eq!(
+        KvScheme::parse("turbo:6:3").unwrap().default,
+        Codec::Turbo { kbits: 6, vbits: 3 }
+    );
+    assert_eq!(
+        KvScheme::parse("turbo:4").unwrap().default,
+        Codec::Turbo { kbits: 4, vbits: 4 }
+    );
+    let err = KvScheme::parse("turbo:9:4").unwrap_err().to_string();
+    assert!(err.contains("9-bit keys"), "{err}");
+    assert!(KvScheme::parse("turbo:4:4:4").is_err());
+    let spec = LayerSpec {
+        kv_heads: 1,
+        head_dim: 256,
+        value_dim: 256,
+        retention: Retention::Full,
+    };
+    let cache = KvCache::new(&[spec], &KvScheme::parse("turbo:4").unwrap(), vec![0]).unwrap();
+    // 4 bits per coordinate plus one f16 norm per 256-element vector: 4.0625 bits.
+    assert_eq!(cache.bytes_per_token() * 8, 2 * (256 * 4 + 16));
+    assert_eq!(
+        cache.signatures(),
+        vec!["kv:bf16-first:turbo:4:4".to_string()]
+    );
+    let odd = LayerSpec {
+        head_dim: 96,
+        value_dim: 96,
+        ..spec
+    };
+    let err = KvCache::new(&[spec, odd], &KvScheme::parse("turbo:4").unwrap(), vec![0])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("layer 1") && err.contains("96"), "{err}");
 }

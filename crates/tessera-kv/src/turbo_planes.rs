@@ -1,0 +1,225 @@
+//! TurboQuant storage planes: per position and head, the f16 norm of the vector and the
+//! `bits`-bit Lloyd–Max codes of its normalized, rotated coordinates (codes packed in u32
+//! words with the affine layout: element i at bit i·bits). Keys and values have their own
+//! bit widths, rotations (fixed seeds) and codebooks. Inputs are rounded to bf16 first, so
+//! quantizing on append and converting bf16 storage later store the same codes.
+
+use crate::affine::{get_code, put_code};
+use crate::turbo::{Codebook, Rotation};
+use crate::{KvError, GROWTH_STEP};
+use candle_core::{DType, Device, Tensor};
+use half::f16;
+
+/// Rotation seeds: fixed, so a saved cache decodes anywhere.
+const KEY_SEED: u64 = 0x7e55_e7a0_0000_0001;
+const VALUE_SEED: u64 = 0x7e55_e7a0_0000_0002;
+
+/// One plane (keys or values) of `rows × heads × capacity` vectors of `dim` elements.
+#[derive(Debug, Clone)]
+pub(crate) struct TurboPlane {
+    dim: usize,
+    bits: u8,
+    words: usize,
+    codes: Vec<u32>,
+    norms: Vec<f16>,
+    rotation: Rotation,
+    book: Codebook,
+}
+
+impl TurboPlane {
+    fn new(dim: usize, bits: u8, seed: u64) -> Self {
+        TurboPlane {
+            dim,
+            bits,
+            words: (dim * bits as usize).div_ceil(32),
+            codes: Vec::new(),
+            norms: Vec::new(),
+            rotation: Rotation::new(dim, seed),
+            book: Codebook::shared(dim, bits),
+        }
+    }
+
+    fn grow(&mut self, blocks: usize, old_cap: usize, capacity: usize) {
+        let mut codes = vec![0u32; blocks * capacity * self.words];
+        let mut norms = vec![f16::ZERO; blocks * capacity];
+        for b in 0..blocks {
+            let w = old_cap * self.words;
+            codes[b * capacity * self.words..][..w].copy_from_slice(&self.codes[b * w..][..w]);
+            norms[b * capacity..][..old_cap].copy_from_slice(&self.norms[b * old_cap..][..old_cap]);
+        }
+        self.codes = codes;
+        self.norms = norms;
+    }
+
+    /// Encodes `x` into slot `at` (absolute: block · capacity + slot).
+    fn write(&mut self, at: usize, x: &[f32]) {
+        let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let mut u: Vec<f32> = if norm > 0.0 {
+            x.iter().map(|v| v / norm).collect()
+        } else {
+            vec![0.0; x.len()]
+        };
+        self.rotation.forward(&mut u);
+        let words = &mut self.codes[at * self.words..(at + 1) * self.words];
+        words.iter_mut().for_each(|w| *w = 0);
+        for (i, &c) in u.iter().enumerate() {
+            put_code(words, i, self.bits, self.book.encode(c) as u32);
+        }
+        self.norms[at] = f16::from_f32(norm);
+    }
+
+    /// The stored vector of slot `at` in the rotated space: norm × codebook levels.
+    #[inline]
+    pub fn rotated(&self, at: usize, out: &mut [f32]) {
+        let words = &self.codes[at * self.words..(at + 1) * self.words];
+        let norm = self.norms[at].to_f32();
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = norm * self.book.decode(get_code(words, i, self.bits) as u8);
+        }
+    }
+
+    /// The stored vector of slot `at` in the original space.
+    fn read(&self, at: usize, out: &mut [f32]) {
+        self.rotated(at, out);
+        self.rotation.inverse(out);
+    }
+
+    pub fn rotation(&self) -> &Rotation {
+        &self.rotation
+    }
+}
+
+/// TurboQuant keys and values of one layer.
+#[derive(Debug, Clone)]
+pub struct TurboPlanes {
+    rows: usize,
+    heads: usize,
+    capacity: usize,
+    keys: TurboPlane,
+    values: TurboPlane,
+    device: Device,
+}
+
+fn bf16_values(x: &Tensor) -> Result<Vec<f32>, KvError> {
+    Ok(x.to_dtype(DType::BF16)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?)
+}
+
+impl TurboPlanes {
+    pub fn new(
+        kbits: u8,
+        vbits: u8,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        value_dim: usize,
+    ) -> Self {
+        TurboPlanes {
+            rows,
+            heads,
+            capacity: 0,
+            keys: TurboPlane::new(head_dim, kbits, KEY_SEED),
+            values: TurboPlane::new(value_dim, vbits, VALUE_SEED),
+            device: Device::Cpu,
+        }
+    }
+
+    pub fn bits(&self) -> (u8, u8) {
+        (self.keys.bits, self.values.bits)
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// `(heads, head_dim, value_dim)`.
+    pub fn geometry(&self) -> (usize, usize, usize) {
+        (self.heads, self.keys.dim, self.values.dim)
+    }
+
+    pub(crate) fn planes(&self) -> (&TurboPlane, &TurboPlane) {
+        (&self.keys, &self.values)
+    }
+
+    /// Encoded bytes of one position of one row: codes plus an f16 norm per vector.
+    pub fn bytes_per_position(&self) -> usize {
+        self.heads * ((self.keys.words + self.values.words) * 4 + 2 * 2)
+    }
+
+    pub fn allocated_bytes(&self) -> usize {
+        (self.keys.codes.len() + self.values.codes.len()) * 4
+            + (self.keys.norms.len() + self.values.norms.len()) * 2
+    }
+
+    /// Makes room for `slots` slots, growing in [`GROWTH_STEP`] steps but never past `limit`.
+    pub fn reserve(&mut self, slots: usize, limit: usize) {
+        if slots <= self.capacity {
+            return;
+        }
+        let capacity = (slots.div_ceil(GROWTH_STEP) * GROWTH_STEP)
+            .min(limit)
+            .max(slots);
+        let blocks = self.rows * self.heads;
+        self.keys.grow(blocks, self.capacity, capacity);
+        self.values.grow(blocks, self.capacity, capacity);
+        self.capacity = capacity;
+    }
+
+    /// Encodes `k`, `v` `(rows, heads, n, dim)` into slots `slot .. slot + n`.
+    pub fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+        self.device = k.device().clone();
+        let n = k.dims()[2];
+        let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
+        let (dk, dv) = (self.keys.dim, self.values.dim);
+        for block in 0..self.rows * self.heads {
+            for i in 0..n {
+                let (at, src) = (block * self.capacity + slot + i, block * n + i);
+                self.keys.write(at, &kx[src * dk..(src + 1) * dk]);
+                self.values.write(at, &vx[src * dv..(src + 1) * dv]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Slots `slot .. slot + len` of both planes, decoded to f32 `(rows, heads, len, dim)`.
+    pub fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
+        let plane = |p: &TurboPlane| -> Result<Tensor, KvError> {
+            let mut out = vec![0f32; self.rows * self.heads * len * p.dim];
+            for block in 0..self.rows * self.heads {
+                for i in 0..len {
+                    let at = block * len + i;
+                    p.read(
+                        block * self.capacity + slot + i,
+                        &mut out[at * p.dim..(at + 1) * p.dim],
+                    );
+                }
+            }
+            Ok(Tensor::from_vec(
+                out,
+                (self.rows, self.heads, len, p.dim),
+                &self.device,
+            )?)
+        };
+        Ok((plane(&self.keys)?, plane(&self.values)?))
+    }
+
+    /// What a later read of `x` returns once stored: encoded and decoded.
+    pub fn as_stored(&self, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
+        let (b, h, n, d) = x.dims4()?;
+        let src = if keys { &self.keys } else { &self.values };
+        let mut plane = TurboPlane {
+            codes: vec![0; src.words],
+            norms: vec![f16::ZERO],
+            ..src.clone()
+        };
+        let values = bf16_values(x)?;
+        let mut out = vec![0f32; values.len()];
+        for (s, o) in values.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            plane.write(0, s);
+            plane.read(0, o);
+        }
+        Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
+    }
+}
