@@ -100,7 +100,12 @@ impl Planes {
         match self {
             Planes::Plain(p) => format!("plain:{}", p.dtype().name()),
             Planes::Affine(p) => format!("affine:{}:{}", p.bits(), p.group()),
-            Planes::Turbo(p) => format!("turbo:{}:{}", p.bits().0, p.bits().1),
+            Planes::Turbo(p) => format!(
+                "turbo:{}:{}{}",
+                p.bits().0,
+                p.bits().1,
+                if p.centered() { "" } else { ":nomean" }
+            ),
         }
     }
 }
@@ -229,8 +234,16 @@ impl LayerCache {
             Codec::Affine { bits, group } => {
                 Planes::Affine(AffinePlanes::new(bits, group as usize, rows, heads, d, dv))
             }
-            Codec::Turbo { kbits, vbits } => {
-                Planes::Turbo(TurboPlanes::new(kbits, vbits, rows, heads, d, dv))
+            Codec::Turbo {
+                kbits,
+                vbits,
+                center,
+            } => {
+                let mut planes = TurboPlanes::new(kbits, vbits, rows, heads, d, dv);
+                if center {
+                    planes.center_keys_on(&k)?;
+                }
+                Planes::Turbo(planes)
             }
             Codec::Plain(_) => return Ok(()),
         };
@@ -526,7 +539,7 @@ impl AttentionCache for LayerCache {
             )
             .bytes_per_position(),
             (Planes::Turbo(p), _) => p.bytes_per_position(),
-            (Planes::Plain(_), Some(Codec::Turbo { kbits, vbits })) => TurboPlanes::new(
+            (Planes::Plain(_), Some(Codec::Turbo { kbits, vbits, .. })) => TurboPlanes::new(
                 kbits,
                 vbits,
                 1,
@@ -547,7 +560,14 @@ impl AttentionCache for LayerCache {
     fn signature(&self) -> String {
         let codec = match self.target {
             Some(Codec::Affine { bits, group }) => format!("bf16-first:affine:{bits}:{group}"),
-            Some(Codec::Turbo { kbits, vbits }) => format!("bf16-first:turbo:{kbits}:{vbits}"),
+            Some(Codec::Turbo {
+                kbits,
+                vbits,
+                center,
+            }) => format!(
+                "bf16-first:turbo:{kbits}:{vbits}{}",
+                if center { "" } else { ":nomean" }
+            ),
             _ => self.planes.signature(),
         };
         match self.spec.retention {

@@ -47,7 +47,9 @@ pub enum Codec {
     Affine { bits: u8, group: u16 },
     /// TurboQuant (see [`crate::turbo`]): per vector a norm and the Lloyd–Max codes of its
     /// rotated coordinates, `kbits` for keys and `vbits` for values; bf16-first like affine.
-    Turbo { kbits: u8, vbits: u8 },
+    /// `center`: keys are stored minus the layer's mean key (per KV head, estimated from
+    /// what the bf16 stage held at conversion).
+    Turbo { kbits: u8, vbits: u8, center: bool },
 }
 
 impl Codec {
@@ -62,7 +64,15 @@ impl fmt::Display for Codec {
         match self {
             Codec::Plain(d) => f.write_str(d.name()),
             Codec::Affine { bits, group } => write!(f, "affine:{bits}:{group}"),
-            Codec::Turbo { kbits, vbits } => write!(f, "turbo:{kbits}:{vbits}"),
+            Codec::Turbo {
+                kbits,
+                vbits,
+                center,
+            } => write!(
+                f,
+                "turbo:{kbits}:{vbits}{}",
+                if *center { "" } else { ":nomean" }
+            ),
         }
     }
 }
@@ -97,7 +107,7 @@ pub struct KvScheme {
 /// Bit widths turbo keys and values accept.
 const TURBO_BITS: std::ops::RangeInclusive<u32> = 2..=8;
 
-const SUPPORTED: &str = "bf16, f16, f32, affine:BITS[:GROUP], turbo:KBITS[:VBITS]";
+const SUPPORTED: &str = "bf16, f16, f32, affine:BITS[:GROUP], turbo:KBITS[:VBITS][:nomean]";
 
 impl KvScheme {
     pub fn uniform(codec: Codec) -> Self {
@@ -126,7 +136,8 @@ impl KvScheme {
 
 impl Codec {
     /// Parses one codec name: `bf16`, `f16`, `f32`, `affine:BITS[:GROUP]` (group 64 by
-    /// default), `turbo:KBITS[:VBITS]` (values as keys by default).
+    /// default), `turbo:KBITS[:VBITS][:nomean]` (values as keys by default; keys centred on
+    /// the layer's mean key unless `nomean`).
     pub fn parse(text: &str) -> Result<Self, KvError> {
         let unknown = || KvError::UnknownScheme {
             given: text.to_string(),
@@ -158,20 +169,29 @@ impl Codec {
                 }
             }
             "turbo" => {
-                let kbits: u32 = parts
-                    .next()
+                let mut fields: Vec<&str> = parts.by_ref().collect();
+                let center = fields.last() != Some(&"nomean");
+                if !center {
+                    fields.pop();
+                }
+                let kbits: u32 = fields
+                    .first()
                     .and_then(|b| b.parse().ok())
                     .ok_or_else(unknown)?;
-                let vbits: u32 = match parts.next() {
+                let vbits: u32 = match fields.get(1) {
                     Some(v) => v.parse().map_err(|_| unknown())?,
                     None => kbits,
                 };
+                if fields.len() > 2 {
+                    return Err(unknown());
+                }
                 if !(TURBO_BITS.contains(&kbits) && TURBO_BITS.contains(&vbits)) {
                     return Err(KvError::UnsupportedTurbo { kbits, vbits });
                 }
                 Codec::Turbo {
                     kbits: kbits as u8,
                     vbits: vbits as u8,
+                    center,
                 }
             }
             _ => return Err(unknown()),

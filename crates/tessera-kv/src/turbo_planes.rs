@@ -95,6 +95,10 @@ pub struct TurboPlanes {
     rows: usize,
     heads: usize,
     capacity: usize,
+    /// The mean key per KV head (`heads × head_dim`) subtracted before encoding, if any.
+    /// Reads need not add it back: `q · m` is the same for every position of a head, and
+    /// softmax ignores a constant added to all of a query's scores.
+    key_mean: Option<Vec<f32>>,
     keys: TurboPlane,
     values: TurboPlane,
     device: Device,
@@ -120,6 +124,7 @@ impl TurboPlanes {
             rows,
             heads,
             capacity: 0,
+            key_mean: None,
             keys: TurboPlane::new(head_dim, kbits, KEY_SEED),
             values: TurboPlane::new(value_dim, vbits, VALUE_SEED),
             device: Device::Cpu,
@@ -132,6 +137,35 @@ impl TurboPlanes {
 
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    pub fn centered(&self) -> bool {
+        self.key_mean.is_some()
+    }
+
+    /// Centres keys on the mean of `k` `(rows, heads, n, head_dim)` per KV head (over rows
+    /// and positions). Set once, before anything is written.
+    pub fn center_keys_on(&mut self, k: &Tensor) -> Result<(), KvError> {
+        let (b, h, n, d) = k.dims4()?;
+        let x = bf16_values(k)?;
+        let mut mean = vec![0f32; h * d];
+        for (i, row) in x.chunks_exact(d).enumerate() {
+            let head = (i / n) % h;
+            for (m, v) in mean[head * d..(head + 1) * d].iter_mut().zip(row) {
+                *m += v;
+            }
+        }
+        mean.iter_mut().for_each(|m| *m /= (b * n) as f32);
+        self.key_mean = Some(mean);
+        Ok(())
+    }
+
+    /// The key mean of head `head`, if keys are centred.
+    fn mean_of(&self, head: usize) -> Option<&[f32]> {
+        let d = self.keys.dim;
+        self.key_mean
+            .as_deref()
+            .map(|m| &m[head * d..(head + 1) * d])
     }
 
     /// `(heads, head_dim, value_dim)`.
@@ -173,27 +207,46 @@ impl TurboPlanes {
         let n = k.dims()[2];
         let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
         let (dk, dv) = (self.keys.dim, self.values.dim);
+        let mut centred = vec![0f32; dk];
         for block in 0..self.rows * self.heads {
+            let mean = self.mean_of(block % self.heads).map(|m| m.to_vec());
             for i in 0..n {
                 let (at, src) = (block * self.capacity + slot + i, block * n + i);
-                self.keys.write(at, &kx[src * dk..(src + 1) * dk]);
+                let key = &kx[src * dk..(src + 1) * dk];
+                let key = match &mean {
+                    Some(m) => {
+                        for ((c, x), m) in centred.iter_mut().zip(key).zip(m) {
+                            *c = x - m;
+                        }
+                        &centred[..]
+                    }
+                    None => key,
+                };
+                self.keys.write(at, key);
                 self.values.write(at, &vx[src * dv..(src + 1) * dv]);
             }
         }
         Ok(())
     }
 
-    /// Slots `slot .. slot + len` of both planes, decoded to f32 `(rows, heads, len, dim)`.
+    /// Slots `slot .. slot + len` of both planes, decoded to f32 `(rows, heads, len, dim)`
+    /// (keys with their mean added back).
     pub fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
-        let plane = |p: &TurboPlane| -> Result<Tensor, KvError> {
+        let plane = |p: &TurboPlane, keys: bool| -> Result<Tensor, KvError> {
             let mut out = vec![0f32; self.rows * self.heads * len * p.dim];
             for block in 0..self.rows * self.heads {
+                let mean = if keys {
+                    self.mean_of(block % self.heads)
+                } else {
+                    None
+                };
                 for i in 0..len {
                     let at = block * len + i;
-                    p.read(
-                        block * self.capacity + slot + i,
-                        &mut out[at * p.dim..(at + 1) * p.dim],
-                    );
+                    let row = &mut out[at * p.dim..(at + 1) * p.dim];
+                    p.read(block * self.capacity + slot + i, row);
+                    if let Some(m) = mean {
+                        row.iter_mut().zip(m).for_each(|(x, m)| *x += m);
+                    }
                 }
             }
             Ok(Tensor::from_vec(
@@ -202,7 +255,7 @@ impl TurboPlanes {
                 &self.device,
             )?)
         };
-        Ok((plane(&self.keys)?, plane(&self.values)?))
+        Ok((plane(&self.keys, true)?, plane(&self.values, false)?))
     }
 
     /// What a later read of `x` returns once stored: encoded and decoded.
@@ -216,9 +269,31 @@ impl TurboPlanes {
         };
         let values = bf16_values(x)?;
         let mut out = vec![0f32; values.len()];
-        for (s, o) in values.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            plane.write(0, s);
-            plane.read(0, o);
+        let mut centred = vec![0f32; d];
+        for (i, (s, o)) in values
+            .chunks_exact(d)
+            .zip(out.chunks_exact_mut(d))
+            .enumerate()
+        {
+            let mean = if keys {
+                self.mean_of((i / n) % h)
+            } else {
+                None
+            };
+            match mean {
+                Some(m) => {
+                    for ((c, x), m) in centred.iter_mut().zip(s).zip(m) {
+                        *c = x - m;
+                    }
+                    plane.write(0, &centred);
+                    plane.read(0, o);
+                    o.iter_mut().zip(m).for_each(|(x, m)| *x += m);
+                }
+                None => {
+                    plane.write(0, s);
+                    plane.read(0, o);
+                }
+            }
         }
         Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
     }

@@ -591,7 +591,11 @@ fn codec_strategy() -> impl Strategy<Value = Codec> {
             prop::sample::select(vec![32u16, 64, 128])
         )
             .prop_map(|(bits, group)| Codec::Affine { bits, group }),
-        (2u8..=8, 2u8..=8).prop_map(|(kbits, vbits)| Codec::Turbo { kbits, vbits }),
+        (2u8..=8, 2u8..=8, any::<bool>()).prop_map(|(kbits, vbits, center)| Codec::Turbo {
+            kbits,
+            vbits,
+            center
+        }),
     ]
 }
 
@@ -660,11 +664,27 @@ fn conversion_frees_bf16_layer_by_layer() {
 fn turbo_schemes_parse_account_and_refuse_bad_input() {
     assert_eq!(
         KvScheme::parse("turbo:6:3").unwrap().default,
-        Codec::Turbo { kbits: 6, vbits: 3 }
+        Codec::Turbo {
+            kbits: 6,
+            vbits: 3,
+            center: true
+        }
     );
     assert_eq!(
         KvScheme::parse("turbo:4").unwrap().default,
-        Codec::Turbo { kbits: 4, vbits: 4 }
+        Codec::Turbo {
+            kbits: 4,
+            vbits: 4,
+            center: true
+        }
+    );
+    assert_eq!(
+        KvScheme::parse("turbo:4:nomean").unwrap().default,
+        Codec::Turbo {
+            kbits: 4,
+            vbits: 4,
+            center: false
+        }
     );
     let err = KvScheme::parse("turbo:9:4").unwrap_err().to_string();
     assert!(err.contains("9-bit keys"), "{err}");
