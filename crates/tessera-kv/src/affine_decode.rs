@@ -108,7 +108,7 @@ impl AffineSource<'_> {
 /// Column `block · 16 · per + j · 16 + w` thus holds element `block · 16 · per + w · per + j`
 /// ([`lane_major_order`]); no permute, and each block's scales and biases are one vector.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use crate::affine_planes::PlaneView;
     use std::arch::x86_64::*;
     use std::ops::Range;

@@ -87,6 +87,27 @@ impl TurboPlane {
     pub fn rotation(&self) -> &Rotation {
         &self.rotation
     }
+
+    pub fn bits(&self) -> u8 {
+        self.bits
+    }
+
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    pub fn levels(&self) -> &[f32] {
+        &self.book.levels
+    }
+
+    /// Packed codes and norm of slot `at`.
+    #[inline(always)]
+    pub fn slot(&self, at: usize) -> (&[u32], f32) {
+        (
+            &self.codes[at * self.words..(at + 1) * self.words],
+            self.norms[at].to_f32(),
+        )
+    }
 }
 
 /// TurboQuant keys and values of one layer.
