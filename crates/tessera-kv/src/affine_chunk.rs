@@ -1,5 +1,6 @@
-//! The fused chunk read of affine storage: a causal window of queries (prefill, or a
-//! speculative window) attended straight from the packed codes, flash-attention style.
+//! The fused chunk read of quantized storage (affine here; turbo through its tile source): a
+//! causal window of queries (prefill, or a speculative window) attended straight from the
+//! packed codes, flash-attention style.
 //!
 //! Each work item is one (row, KV head, block of queries) with the query heads of that KV
 //! head folded in. It walks the visible key slots in tiles: a tile is dequantized into a
@@ -9,6 +10,7 @@
 
 use crate::affine_decode::unpack;
 use crate::affine_planes::{AffinePlanes, PlaneView};
+use crate::decode::TileSource;
 use candle_core::Tensor;
 use std::ops::Range;
 
@@ -123,9 +125,9 @@ fn matmul(
 
 /// One work item: rows `r` of the output for KV head `h`, queries `i0 .. i0 + len`.
 #[allow(clippy::too_many_arguments)]
-fn attend_block(
+fn attend_block<S: TileSource>(
     q: &[f32],
-    planes: &AffinePlanes,
+    source: &S,
     geo: &ChunkGeometry,
     pad: usize,
     r: usize,
@@ -143,11 +145,12 @@ fn attend_block(
             *dst = s * scale;
         }
     }
+    qb.chunks_exact_mut(d)
+        .for_each(|row| source.prepare_query(row));
     let visible: Vec<Range<usize>> = (i0..i0 + len).map(|i| geo.visible(pad, i)).collect();
     let lo = visible.iter().map(|v| v.start).min().unwrap_or(0);
     let hi = visible.iter().map(|v| v.end).max().unwrap_or(0);
-    let (keys, values) = planes.views(r * geo.kv_heads + h);
-    let (bits, gs) = (planes.bits(), planes.group());
+    let block = r * geo.kv_heads + h;
     let mut kt = vec![0f32; KEY_TILE * d];
     let mut vt = vec![0f32; KEY_TILE * dv];
     let mut scores = vec![0f32; m * KEY_TILE];
@@ -157,8 +160,8 @@ fn attend_block(
     let mut t0 = lo;
     while t0 < hi {
         let t = KEY_TILE.min(hi - t0);
-        dequantize_tile(&keys, bits, gs, d, t0..t0 + t, &mut kt);
-        dequantize_tile(&values, bits, gs, dv, t0..t0 + t, &mut vt);
+        source.keys(block, t0..t0 + t, &mut kt[..t * d]);
+        source.values(block, t0..t0 + t, &mut vt[..t * dv]);
         matmul(&mut scores, false, &qb, &kt, true, m, t, d);
         for row in 0..m {
             let vis = &visible[row % len];
@@ -195,7 +198,42 @@ fn attend_block(
             .iter_mut()
             .for_each(|o| *o *= inv);
     }
+    acc.chunks_exact_mut(dv)
+        .for_each(|row| source.finish_output(row));
     acc
+}
+
+/// Affine planes as a tile source for chunks: rows dequantized in element order.
+struct AffineTiles<'a> {
+    planes: &'a AffinePlanes,
+}
+
+impl TileSource for AffineTiles<'_> {
+    fn keys(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
+        let (keys, _) = self.planes.views(block);
+        let (_, d, _) = self.planes.geometry();
+        dequantize_tile(
+            &keys,
+            self.planes.bits(),
+            self.planes.group(),
+            d,
+            slots,
+            out,
+        );
+    }
+
+    fn values(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
+        let (_, values) = self.planes.views(block);
+        let (_, _, dv) = self.planes.geometry();
+        dequantize_tile(
+            &values,
+            self.planes.bits(),
+            self.planes.group(),
+            dv,
+            slots,
+            out,
+        );
+    }
 }
 
 /// Attends `q` `(rows, kv_heads * group, queries, head_dim)` over slots `0 .. geo.slots` of
@@ -203,6 +241,17 @@ fn attend_block(
 pub(crate) fn attend(
     q: &Tensor,
     planes: &AffinePlanes,
+    pads: &[usize],
+    geo: &ChunkGeometry,
+    scale: f32,
+) -> candle_core::Result<Tensor> {
+    attend_source(q, &AffineTiles { planes }, pads, geo, scale)
+}
+
+/// The chunk read over any tile source (affine, turbo).
+pub(crate) fn attend_source<S: TileSource>(
+    q: &Tensor,
+    source: &S,
     pads: &[usize],
     geo: &ChunkGeometry,
     scale: f32,
@@ -225,7 +274,7 @@ pub(crate) fn attend(
         for i in range {
             let (r, h, i0, len) = items[i];
             *outs[i].lock().unwrap() =
-                attend_block(&qv, planes, geo, pads[r], r, h, i0, len, scale);
+                attend_block(&qv, source, geo, pads[r], r, h, i0, len, scale);
         }
     });
     let mut out = vec![0f32; geo.rows * geo.kv_heads * g * n * dv];

@@ -297,8 +297,8 @@ impl LayerCache {
         if n == 1 {
             return self.append_one(k, v);
         }
-        if matches!(self.planes, Planes::Affine(_)) {
-            return self.append_affine_chunk(k, v);
+        if matches!(self.planes, Planes::Affine(_) | Planes::Turbo(_)) {
+            return self.append_quantized_chunk(k, v);
         }
         let device = k.device().clone();
         let (keys, values, positions, window) = match self.spec.retention {
@@ -339,8 +339,9 @@ impl LayerCache {
         Ok(AttentionRead::dense(keys, values, mask))
     }
 
-    /// A causal chunk on affine storage, read from the packed codes (fused chunk read).
-    fn append_affine_chunk(
+    /// A causal chunk on quantized (affine or turbo) storage, read from the packed codes
+    /// (fused chunk read).
+    fn append_quantized_chunk(
         &mut self,
         k: &Tensor,
         v: &Tensor,
@@ -366,14 +367,11 @@ impl LayerCache {
                 self.planes.reserve(k, v, start + n, usize::MAX)?;
                 self.planes.write(start, k, v)?;
                 self.rows.advance(n);
-                let Planes::Affine(affine) = &self.planes else {
-                    unreachable!("called for affine planes")
-                };
-                Ok(AttentionRead::affine_chunk(
-                    Cow::Borrowed(affine),
-                    pads,
-                    geo,
-                ))
+                Ok(match &self.planes {
+                    Planes::Affine(p) => AttentionRead::affine_chunk(Cow::Borrowed(p), pads, geo),
+                    Planes::Turbo(p) => AttentionRead::turbo_chunk(Cow::Borrowed(p), pads, geo),
+                    Planes::Plain(_) => unreachable!("called for quantized planes"),
+                })
             }
             Retention::Window { size } => {
                 // The new positions overwrite ring slots the first queries still need: the
@@ -381,19 +379,36 @@ impl LayerCache {
                 // new ones, in temporal order.
                 let kept = start.min(size - 1);
                 let geo = geometry(start - kept, kept + n, Some(size));
-                let Planes::Affine(ring) = &self.planes else {
-                    unreachable!("called for affine planes")
-                };
-                let mut span = ring.empty_like();
-                span.reserve(kept + n, kept + n);
                 let first = (start - kept) % size;
                 let head = kept.min(size - first);
-                span.copy_slots(ring, first, 0, head);
-                span.copy_slots(ring, 0, head, kept - head);
-                span.write(kept, k, v)?;
+                let read = match &self.planes {
+                    Planes::Affine(ring) => {
+                        let mut span = ring.empty_like();
+                        span.reserve(kept + n, kept + n);
+                        span.copy_slots(ring, first, 0, head);
+                        span.copy_slots(ring, 0, head, kept - head);
+                        span.write(kept, k, v)?;
+                        Planes::Affine(span)
+                    }
+                    Planes::Turbo(ring) => {
+                        let mut span = ring.empty_like();
+                        span.reserve(kept + n, kept + n);
+                        span.copy_slots(ring, first, 0, head);
+                        span.copy_slots(ring, 0, head, kept - head);
+                        span.write(kept, k, v)?;
+                        Planes::Turbo(span)
+                    }
+                    Planes::Plain(_) => unreachable!("called for quantized planes"),
+                };
                 self.write_ring(start, k, v, size)?;
                 self.rows.advance(n);
-                Ok(AttentionRead::affine_chunk(Cow::Owned(span), pads, geo))
+                Ok(match read {
+                    Planes::Affine(span) => {
+                        AttentionRead::affine_chunk(Cow::Owned(span), pads, geo)
+                    }
+                    Planes::Turbo(span) => AttentionRead::turbo_chunk(Cow::Owned(span), pads, geo),
+                    Planes::Plain(_) => unreachable!(),
+                })
             }
         }
     }

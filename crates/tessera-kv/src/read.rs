@@ -73,6 +73,12 @@ enum Source<'a> {
         planes: &'a TurboPlanes,
         rows: Vec<RowSlots>,
     },
+    /// A causal chunk of queries over TurboQuant slots (the cache's planes or a span copy).
+    TurboChunk {
+        planes: Cow<'a, TurboPlanes>,
+        pads: Vec<usize>,
+        geometry: ChunkGeometry,
+    },
     /// A causal chunk of queries over packed affine slots: the cache's own planes, or (for a
     /// ring whose old slots the chunk overwrites) a packed copy of the span it needs.
     AffineChunk {
@@ -122,6 +128,21 @@ impl<'a> AttentionRead<'a> {
         }
     }
 
+    /// A causal chunk read straight from TurboQuant slots.
+    pub(crate) fn turbo_chunk(
+        planes: Cow<'a, TurboPlanes>,
+        pads: Vec<usize>,
+        geometry: ChunkGeometry,
+    ) -> Self {
+        AttentionRead {
+            source: Source::TurboChunk {
+                planes,
+                pads,
+                geometry,
+            },
+        }
+    }
+
     /// A causal chunk read straight from packed affine slots.
     pub(crate) fn affine_chunk(
         planes: Cow<'a, AffinePlanes>,
@@ -162,12 +183,21 @@ impl<'a> AttentionRead<'a> {
                 (k, v, rows)
             }
             Source::AffineChunk {
-                planes,
                 pads,
                 geometry: geo,
+                ..
+            }
+            | Source::TurboChunk {
+                pads,
+                geometry: geo,
+                ..
             } => {
                 // The mask the dense path builds for the same positions.
-                let (keys, values) = planes.read(0, geo.slots)?;
+                let (keys, values) = match &self.source {
+                    Source::AffineChunk { planes, .. } => planes.read(0, geo.slots)?,
+                    Source::TurboChunk { planes, .. } => planes.read(0, geo.slots)?,
+                    _ => unreachable!(),
+                };
                 let mut rows = Rows::new(pads.clone());
                 rows.advance(geo.start);
                 let positions: Vec<usize> = (geo.first..geo.first + geo.slots).collect();
@@ -205,11 +235,8 @@ impl<'a> AttentionRead<'a> {
                     scale,
                 )?);
             }
-            Source::AffineChunk {
-                planes,
-                pads,
-                geometry,
-            } => {
+            Source::AffineChunk { pads, geometry, .. }
+            | Source::TurboChunk { pads, geometry, .. } => {
                 let (b, qh, n, d) = q.dims4()?;
                 let g = geometry;
                 if b != g.rows || d != g.head_dim || n != g.queries || qh % g.kv_heads != 0 {
@@ -225,13 +252,20 @@ impl<'a> AttentionRead<'a> {
                     group: qh / g.kv_heads,
                     ..g.clone()
                 };
-                return Ok(affine_chunk::attend(
-                    &q.contiguous()?,
-                    planes,
-                    pads,
-                    &geometry,
-                    scale,
-                )?);
+                let q = q.contiguous()?;
+                return Ok(match &self.source {
+                    Source::AffineChunk { planes, .. } => {
+                        affine_chunk::attend(&q, planes, pads, &geometry, scale)?
+                    }
+                    Source::TurboChunk { planes, .. } => affine_chunk::attend_source(
+                        &q,
+                        &turbo_decode::source(planes),
+                        pads,
+                        &geometry,
+                        scale,
+                    )?,
+                    _ => unreachable!(),
+                });
             }
             Source::TurboDecode { planes, rows } => {
                 let (kvh, d, dv) = planes.geometry();

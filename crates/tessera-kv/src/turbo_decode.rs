@@ -9,7 +9,7 @@ use crate::turbo_planes::{TurboPlane, TurboPlanes};
 use candle_core::Tensor;
 use std::ops::Range;
 
-struct TurboSource<'a> {
+pub(crate) struct TurboSource<'a> {
     planes: &'a TurboPlanes,
     /// Per plane (keys, values): decoded lane-major by the 512-bit path, with the element
     /// (rotated coordinate) each tile column holds.
@@ -115,16 +115,8 @@ mod x86 {
     }
 }
 
-/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over turbo `planes`, each row over
-/// its visible slots.
-pub(crate) fn attend(
-    q: &Tensor,
-    planes: &TurboPlanes,
-    rows: &[RowSlots],
-    s: &DecodeShape,
-    scale: f32,
-) -> candle_core::Result<Tensor> {
-    let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
+/// The tile source of `planes`: 512-bit decoding where the CPU and bit widths allow.
+pub(crate) fn source(planes: &TurboPlanes) -> TurboSource<'_> {
     let (keys, values) = planes.planes();
     let wide = |plane: &TurboPlane| -> Option<Vec<usize>> {
         #[cfg(target_arch = "x86_64")]
@@ -137,10 +129,23 @@ pub(crate) fn attend(
         let _ = plane;
         None
     };
-    let source = TurboSource {
+    TurboSource {
         planes,
         wide: [wide(keys), wide(values)],
-    };
+    }
+}
+
+/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over turbo `planes`, each row over
+/// its visible slots.
+pub(crate) fn attend(
+    q: &Tensor,
+    planes: &TurboPlanes,
+    rows: &[RowSlots],
+    s: &DecodeShape,
+    scale: f32,
+) -> candle_core::Result<Tensor> {
+    let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
+    let source = source(planes);
     let out = decode::attend_source(&qv, &source, rows, s, scale);
     Tensor::from_vec(
         out,

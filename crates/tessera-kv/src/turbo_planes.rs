@@ -222,6 +222,45 @@ impl TurboPlanes {
         self.capacity = capacity;
     }
 
+    /// Empty planes of the same codec, geometry and key mean.
+    pub fn empty_like(&self) -> Self {
+        let empty = |p: &TurboPlane| TurboPlane {
+            dim: p.dim,
+            bits: p.bits,
+            words: p.words,
+            codes: Vec::new(),
+            norms: Vec::new(),
+            rotation: p.rotation.clone(),
+            book: p.book.clone(),
+        };
+        TurboPlanes {
+            rows: self.rows,
+            heads: self.heads,
+            capacity: 0,
+            key_mean: self.key_mean.clone(),
+            keys: empty(&self.keys),
+            values: empty(&self.values),
+            device: self.device.clone(),
+        }
+    }
+
+    /// Copies `len` stored slots of `src` (same codec and geometry) from `src_slot` into
+    /// `dst_slot ..`, codes and norms as they are.
+    pub fn copy_slots(&mut self, src: &TurboPlanes, src_slot: usize, dst_slot: usize, len: usize) {
+        for (dst, from) in [(&mut self.keys, &src.keys), (&mut self.values, &src.values)] {
+            let w = dst.words;
+            for block in 0..self.rows * self.heads {
+                let (d0, s0) = (
+                    block * self.capacity + dst_slot,
+                    block * src.capacity + src_slot,
+                );
+                dst.codes[d0 * w..(d0 + len) * w]
+                    .copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
+                dst.norms[d0..d0 + len].copy_from_slice(&from.norms[s0..s0 + len]);
+            }
+        }
+    }
+
     /// Encodes `k`, `v` `(rows, heads, n, dim)` into slots `slot .. slot + n`.
     pub fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
         self.device = k.device().clone();
