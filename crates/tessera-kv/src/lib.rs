@@ -39,3 +39,11 @@ pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention};
 /// Capacity of full-retention storage grows in steps of this many positions, so that
 /// appends do not reallocate the whole cache every token.
 pub const GROWTH_STEP: usize = 256;
+
+/// The capacity that holds `slots`: the next [`GROWTH_STEP`] multiple, capped at `limit`
+/// (a ring's size) but never below `slots`.
+pub(crate) fn grown_capacity(slots: usize, limit: usize) -> usize {
+    (slots.div_ceil(GROWTH_STEP) * GROWTH_STEP)
+        .min(limit)
+        .max(slots)
+}

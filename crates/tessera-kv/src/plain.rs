@@ -1,7 +1,7 @@
 //! The `Plain` codec: keys and values stored unquantized in bf16, f16 or f32, in planes
 //! `(rows, kv_heads, slots, head_dim)`, as mlx-lm's `KVCache` stores them.
 
-use crate::{KvError, PlainDType, GROWTH_STEP};
+use crate::{KvError, PlainDType};
 use candle_core::{DType, Device, Tensor};
 
 /// Storage planes of one layer. Slots are addressed by the retention policy; this type
@@ -45,7 +45,7 @@ impl PlainPlanes {
         Ok(input.to_dtype(self.dtype.dtype())?.to_dtype(DType::F32)?)
     }
 
-    /// Makes room for at least `slots` slots, growing in [`GROWTH_STEP`] steps but never past
+    /// Makes room for at least `slots` slots, growing in [`crate::GROWTH_STEP`] steps but never past
     /// `limit`. Existing slots keep their contents.
     pub fn reserve(
         &mut self,
@@ -57,9 +57,7 @@ impl PlainPlanes {
         if slots <= self.capacity() {
             return Ok(());
         }
-        let capacity = (slots.div_ceil(GROWTH_STEP) * GROWTH_STEP)
-            .min(limit)
-            .max(slots);
+        let capacity = crate::grown_capacity(slots, limit);
         let grow = |old: &Option<Tensor>, like: &Tensor| -> Result<Tensor, KvError> {
             let (b, h, _, d) = like.dims4()?;
             let fresh = Tensor::zeros((b, h, capacity, d), self.dtype.dtype(), like.device())?;

@@ -6,7 +6,7 @@
 
 use crate::affine::{get_code, put_code};
 use crate::turbo::{Codebook, Rotation};
-use crate::{KvError, GROWTH_STEP};
+use crate::KvError;
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 
@@ -208,14 +208,12 @@ impl TurboPlanes {
             + (self.keys.norms.len() + self.values.norms.len()) * 2
     }
 
-    /// Makes room for `slots` slots, growing in [`GROWTH_STEP`] steps but never past `limit`.
+    /// Makes room for `slots` slots, growing in [`crate::GROWTH_STEP`] steps but never past `limit`.
     pub fn reserve(&mut self, slots: usize, limit: usize) {
         if slots <= self.capacity {
             return;
         }
-        let capacity = (slots.div_ceil(GROWTH_STEP) * GROWTH_STEP)
-            .min(limit)
-            .max(slots);
+        let capacity = crate::grown_capacity(slots, limit);
         let blocks = self.rows * self.heads;
         self.keys.grow(blocks, self.capacity, capacity);
         self.values.grow(blocks, self.capacity, capacity);
