@@ -1,6 +1,7 @@
 //! `eval --plot`: mean KL divergence against bf16 over bits per stored KV element, one
-//! labelled point per scheme. The SVG is written by hand; a chart this small does not
-//! justify a plotting dependency.
+//! labelled point per scheme; schemes of one family (`affine`, `turbo`, `turbo:noscale`,
+//! …) share a colour and a line, so codecs compare at equal bits. The SVG is written by
+//! hand; a chart this small does not justify a plotting dependency.
 
 use std::fmt::Write;
 
@@ -21,6 +22,21 @@ const BOTTOM: f64 = 64.0;
 const ZERO_GAP: f64 = 24.0;
 /// Rough width of one character at font-size 12, for keeping labels apart.
 const CHAR_W: f64 = 6.8;
+/// Family colours, in order of first appearance.
+const PALETTE: [&str; 6] = [
+    "#1f6fb4", "#e0701b", "#2a9d3c", "#c0392b", "#7b4fb4", "#8c6d31",
+];
+
+/// A scheme's family: its codec name and any non-numeric flags (`turbo:4:global` →
+/// `turbo:global`; `bf16` → `bf16`).
+fn family(label: &str) -> String {
+    let mut parts = label.split(':');
+    let head = parts.next().unwrap_or("");
+    std::iter::once(head)
+        .chain(parts.filter(|p| p.parse::<u32>().is_err()))
+        .collect::<Vec<_>>()
+        .join(":")
+}
 
 /// One axis: data range and tick values (for a log axis, `lo` and `hi` are log10 values).
 struct Axis {
@@ -209,13 +225,66 @@ pub fn kl_vs_bits_svg(points: &[PlotPoint], title: &str) -> String {
         r#"<text x="24" y="{cy:.1}" text-anchor="middle" transform="rotate(-90 24 {cy:.1})">mean KL divergence vs bf16 (nats{})</text>"#,
         if l.y.log { ", log scale" } else { "" }
     );
+    // One colour per family; a family of several points gets a line through them by bits
+    // and a legend entry.
+    let mut families: Vec<String> = Vec::new();
+    for p in points {
+        let f = family(&p.label);
+        if !families.contains(&f) {
+            families.push(f);
+        }
+    }
+    let colour_of = |label: &str| {
+        let i = families
+            .iter()
+            .position(|f| *f == family(label))
+            .unwrap_or(0);
+        PALETTE[i % PALETTE.len()]
+    };
+    for (i, f) in families.iter().enumerate() {
+        let mut members: Vec<(f64, f64)> = points
+            .iter()
+            .zip(&l.positions)
+            .filter(|(p, _)| family(&p.label) == *f)
+            .map(|(_, &xy)| xy)
+            .collect();
+        if members.len() < 2 {
+            continue;
+        }
+        members.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let path: Vec<String> = members
+            .iter()
+            .map(|(x, y)| format!("{x:.1},{y:.1}"))
+            .collect();
+        let colour = PALETTE[i % PALETTE.len()];
+        let _ = writeln!(
+            s,
+            r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="1.5"/>"#,
+            path.join(" ")
+        );
+    }
+    if families.len() > 1 {
+        for (i, f) in families.iter().enumerate() {
+            let (x, y) = (right - 150.0, top + 4.0 + 16.0 * i as f64);
+            let _ = writeln!(
+                s,
+                r#"<rect x="{x:.1}" y="{:.1}" width="10" height="10" fill="{}"/><text x="{:.1}" y="{:.1}">{}</text>"#,
+                y - 9.0,
+                PALETTE[i % PALETTE.len()],
+                x + 16.0,
+                y,
+                escape(f)
+            );
+        }
+    }
     // Labels go right of their point (left near the right edge), nudged up or down past
     // labels already placed: schemes of similar size and quality would otherwise overprint.
     let mut placed: Vec<(f64, f64, f64, f64)> = Vec::new();
     for (p, &(x, y)) in points.iter().zip(&l.positions) {
         let _ = writeln!(
             s,
-            r##"<circle cx="{x:.1}" cy="{y:.1}" r="4" fill="#1f6fb4"/>"##
+            r#"<circle cx="{x:.1}" cy="{y:.1}" r="4" fill="{}"/>"#,
+            colour_of(&p.label)
         );
         let w = p.label.chars().count() as f64 * CHAR_W;
         let (tx, anchor, x0) = if x + 8.0 + w > WIDTH - 4.0 {
@@ -279,6 +348,43 @@ mod tests {
         }
         assert!(svg.contains("a&amp;b.txt"));
         assert!(!svg.contains("cfg<"));
+    }
+
+    #[test]
+    fn families_share_a_colour_and_a_line() {
+        let points = [
+            point("bf16", 16.0, 0.0),
+            point("affine:8", 8.5, 0.001),
+            point("affine:4", 4.5, 0.1),
+            point("turbo:4", 4.06, 0.05),
+            point("turbo:6:3", 4.56, 0.03),
+            point("turbo:4:global", 14.0, 0.02),
+        ];
+        assert_eq!(family("turbo:4:global"), "turbo:global");
+        assert_eq!(family("affine:4:32"), "affine");
+        let svg = kl_vs_bits_svg(&points, "t");
+        // bf16, affine, turbo, turbo:global; lines only where a family has two points.
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        let fill = |label: &str| colour_of_circle(&svg, &points, label);
+        assert_eq!(fill("affine:8"), fill("affine:4"));
+        assert_eq!(fill("turbo:4"), fill("turbo:6:3"));
+        assert_ne!(fill("affine:4"), fill("turbo:4"));
+        assert_ne!(fill("turbo:4"), fill("turbo:4:global"));
+        assert!(svg.contains(">turbo:global</text>"), "legend entry");
+    }
+
+    /// The fill of the circle drawn for `label` (circles come in point order).
+    fn colour_of_circle(svg: &str, points: &[PlotPoint], label: &str) -> String {
+        let i = points.iter().position(|p| p.label == label).unwrap();
+        let circle = svg.split("<circle").nth(i + 1).unwrap();
+        circle
+            .split("fill=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap()
+            .to_string()
     }
 
     #[test]

@@ -42,6 +42,12 @@ fn main() {
         "affine:4",
         "affine:4:32",
         "affine:2",
+        "turbo:4",
+        "turbo:6:3",
+        "turbo:6:4",
+        "turbo:4:3",
+        "turbo:3",
+        "turbo:8",
     ] {
         if only.as_deref().is_some_and(|o| o != kv) {
             continue;

@@ -146,7 +146,7 @@ fn attend_block<S: TileSource>(
         }
     }
     qb.chunks_exact_mut(d)
-        .for_each(|row| source.prepare_query(row));
+        .for_each(|row| source.prepare_query(h, row));
     let visible: Vec<Range<usize>> = (i0..i0 + len).map(|i| geo.visible(pad, i)).collect();
     let lo = visible.iter().map(|v| v.start).min().unwrap_or(0);
     let hi = visible.iter().map(|v| v.end).max().unwrap_or(0);
@@ -199,7 +199,7 @@ fn attend_block<S: TileSource>(
             .for_each(|o| *o *= inv);
     }
     acc.chunks_exact_mut(dv)
-        .for_each(|row| source.finish_output(row));
+        .for_each(|row| source.finish_output(h, row));
     acc
 }
 

@@ -215,7 +215,7 @@ impl TileSource for AffineSource<'_> {
         self.fill(&self.planes.views(block).1, slots, out)
     }
 
-    fn prepare_query(&self, q: &mut [f32]) {
+    fn prepare_query(&self, _kv_head: usize, q: &mut [f32]) {
         if let Some((key_order, _)) = &self.orders {
             let element_order = q.to_vec();
             for (x, &e) in q.iter_mut().zip(key_order) {
@@ -224,7 +224,7 @@ impl TileSource for AffineSource<'_> {
         }
     }
 
-    fn finish_output(&self, out: &mut [f32]) {
+    fn finish_output(&self, _kv_head: usize, out: &mut [f32]) {
         if let Some((_, value_order)) = &self.orders {
             let tile_order = out.to_vec();
             for (&x, &e) in tile_order.iter().zip(value_order) {

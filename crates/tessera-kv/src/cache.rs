@@ -100,12 +100,12 @@ impl Planes {
         match self {
             Planes::Plain(p) => format!("plain:{}", p.dtype().name()),
             Planes::Affine(p) => format!("affine:{}:{}", p.bits(), p.group()),
-            Planes::Turbo(p) => format!(
-                "turbo:{}:{}{}",
-                p.bits().0,
-                p.bits().1,
-                if p.centered() { "" } else { ":nomean" }
-            ),
+            Planes::Turbo(p) => Codec::Turbo {
+                kbits: p.bits().0,
+                vbits: p.bits().1,
+                prep: p.prep(),
+            }
+            .to_string(),
         }
     }
 }
@@ -234,15 +234,9 @@ impl LayerCache {
             Codec::Affine { bits, group } => {
                 Planes::Affine(AffinePlanes::new(bits, group as usize, rows, heads, d, dv))
             }
-            Codec::Turbo {
-                kbits,
-                vbits,
-                center,
-            } => {
+            Codec::Turbo { kbits, vbits, prep } => {
                 let mut planes = TurboPlanes::new(kbits, vbits, rows, heads, d, dv);
-                if center {
-                    planes.center_keys_on(&k)?;
-                }
+                planes.fit_key_prep(&k, prep)?;
                 Planes::Turbo(planes)
             }
             Codec::Plain(_) => return Ok(()),
@@ -575,14 +569,7 @@ impl AttentionCache for LayerCache {
     fn signature(&self) -> String {
         let codec = match self.target {
             Some(Codec::Affine { bits, group }) => format!("bf16-first:affine:{bits}:{group}"),
-            Some(Codec::Turbo {
-                kbits,
-                vbits,
-                center,
-            }) => format!(
-                "bf16-first:turbo:{kbits}:{vbits}{}",
-                if center { "" } else { ":nomean" }
-            ),
+            Some(turbo @ Codec::Turbo { .. }) => format!("bf16-first:{turbo}"),
             _ => self.planes.signature(),
         };
         match self.spec.retention {
@@ -599,6 +586,32 @@ pub struct KvCache {
     left_pad: Vec<usize>,
 }
 
+/// Says once per process (as the seeds do for TurboQuant) when a scheme leaves the
+/// sliding-window layers in another codec than the rest.
+fn notice_sliding_kept(specs: &[LayerSpec], scheme: &KvScheme) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let Some(sliding) = scheme.sliding.filter(|c| *c != scheme.default) else {
+        return;
+    };
+    let windows: Vec<usize> = specs
+        .iter()
+        .filter_map(|s| match s.retention {
+            Retention::Window { size } => Some(size),
+            Retention::Full => None,
+        })
+        .collect();
+    if let Some(size) = windows.iter().max() {
+        SAID.call_once(|| {
+            eprintln!(
+                "note: KV scheme {scheme}: the {} sliding-window layers (of {}) stay {sliding}; \
+                 they hold at most {size} positions each",
+                windows.len(),
+                specs.len()
+            )
+        });
+    }
+}
+
 impl KvCache {
     /// Builds one layer cache per spec; `left_pad[row]` is the padding before row `row`'s
     /// first real token (all zeros for a single sequence).
@@ -613,6 +626,7 @@ impl KvCache {
                 layers: specs.len(),
             });
         }
+        notice_sliding_kept(specs, scheme);
         let layers = specs
             .iter()
             .enumerate()
@@ -620,7 +634,7 @@ impl KvCache {
                 LayerCache::new(
                     i,
                     *spec,
-                    scheme.codec_for(i),
+                    scheme.codec_for(i, spec),
                     scheme.quantized_kv_start,
                     left_pad.clone(),
                 )

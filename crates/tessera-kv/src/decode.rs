@@ -179,10 +179,11 @@ pub(crate) trait TileSource: Sync {
     /// Maps one query head vector (`head_dim`) into the space the key rows are decoded in
     /// (an order of their own that unpacks faster, a rotation). Linear and orthogonal, so
     /// scores are unchanged. Default: as is.
-    fn prepare_query(&self, _q: &mut [f32]) {}
+    /// `kv_head` is the KV head the query attends.
+    fn prepare_query(&self, _kv_head: usize, _q: &mut [f32]) {}
     /// Maps one output head vector (`value_dim`) from the space the value rows are decoded
     /// in back to element order, once per read. Default: as is.
-    fn finish_output(&self, _out: &mut [f32]) {}
+    fn finish_output(&self, _kv_head: usize, _out: &mut [f32]) {}
 }
 
 /// Plain planes `(rows, kv_heads, capacity, dim)` of one element type.
@@ -571,7 +572,8 @@ pub(crate) fn attend_source<S: TileSource>(
     let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
     let mut q: Vec<f32> = q.iter().map(|x| x * scale).collect();
     q.chunks_exact_mut(d)
-        .for_each(|head| source.prepare_query(head));
+        .enumerate()
+        .for_each(|(i, head)| source.prepare_query((i / g) % s.kv_heads, head));
     #[cfg(target_arch = "x86_64")]
     let level = {
         let avx2 = std::is_x86_feature_detected!("avx2")
@@ -595,7 +597,8 @@ pub(crate) fn attend_source<S: TileSource>(
     });
     let mut out = out;
     out.chunks_exact_mut(dv)
-        .for_each(|head| source.finish_output(head));
+        .enumerate()
+        .for_each(|(i, head)| source.finish_output((i / g) % s.kv_heads, head));
     out
 }
 

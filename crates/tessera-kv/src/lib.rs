@@ -30,11 +30,12 @@ mod scheme;
 pub mod turbo;
 mod turbo_decode;
 pub mod turbo_planes;
+mod turbo_prep;
 
 pub use cache::{AttentionCache, KvCache, LayerCache};
 pub use error::KvError;
 pub use read::AttentionRead;
-pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention};
+pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep};
 
 /// Capacity of full-retention storage grows in steps of this many positions, so that
 /// appends do not reallocate the whole cache every token.

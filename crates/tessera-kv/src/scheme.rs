@@ -47,9 +47,41 @@ pub enum Codec {
     Affine { bits: u8, group: u16 },
     /// TurboQuant (see [`crate::turbo`]): per vector a norm and the Lloyd–Max codes of its
     /// rotated coordinates, `kbits` for keys and `vbits` for values; bf16-first like affine.
-    /// `center`: keys are stored minus the layer's mean key (per KV head, estimated from
-    /// what the bf16 stage held at conversion).
-    Turbo { kbits: u8, vbits: u8, center: bool },
+    /// `prep`: what is fitted per layer at conversion and applied before encoding.
+    Turbo {
+        kbits: u8,
+        vbits: u8,
+        prep: TurboPrep,
+    },
+}
+
+/// The per-channel preparation a turbo layer fits on what its bf16 stage holds at
+/// conversion (see `turbo_prep`): each flag on unless the scheme names it off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurboPrep {
+    /// Keys centred on the layer's mean key per KV head (off: `:nomean`).
+    pub key_mean: bool,
+    /// Keys divided by per-channel scales, queries multiplied by them (off: `:noscale`).
+    pub key_scale: bool,
+}
+
+impl TurboPrep {
+    /// Every preparation on: the default.
+    pub const ALL: TurboPrep = TurboPrep {
+        key_mean: true,
+        key_scale: true,
+    };
+
+    /// The scheme-name suffixes of the preparations switched off.
+    fn suffix(&self) -> String {
+        let mut s = String::new();
+        for (on, name) in [(self.key_mean, ":nomean"), (self.key_scale, ":noscale")] {
+            if !on {
+                s.push_str(name);
+            }
+        }
+        s
+    }
 }
 
 impl Codec {
@@ -64,15 +96,9 @@ impl fmt::Display for Codec {
         match self {
             Codec::Plain(d) => f.write_str(d.name()),
             Codec::Affine { bits, group } => write!(f, "affine:{bits}:{group}"),
-            Codec::Turbo {
-                kbits,
-                vbits,
-                center,
-            } => write!(
-                f,
-                "turbo:{kbits}:{vbits}{}",
-                if *center { "" } else { ":nomean" }
-            ),
+            Codec::Turbo { kbits, vbits, prep } => {
+                write!(f, "turbo:{kbits}:{vbits}{}", prep.suffix())
+            }
         }
     }
 }
@@ -95,49 +121,71 @@ pub struct LayerSpec {
     pub retention: Retention,
 }
 
-/// The KV storage scheme of a whole model: a default codec, per-layer overrides, and the
-/// number of positions held in bf16 before a quantized codec takes over.
+/// The KV storage scheme of a whole model: a default codec, a codec for sliding-window
+/// layers where they differ, per-layer overrides (which win over both), and the number of
+/// positions held in bf16 before a quantized codec takes over.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvScheme {
     pub default: Codec,
+    /// Set by the `:global` suffix (`turbo:4:global`: sliding-window layers stay bf16,
+    /// the seeds' choice for TurboQuant) or a config file's `"sliding"`.
+    pub sliding: Option<Codec>,
     pub per_layer: Vec<(usize, Codec)>,
     pub quantized_kv_start: usize,
 }
 
+/// The scheme suffix that keeps sliding-window layers bf16.
+const GLOBAL_ONLY: &str = ":global";
+
 /// Bit widths turbo keys and values accept.
 const TURBO_BITS: std::ops::RangeInclusive<u32> = 2..=8;
 
-const SUPPORTED: &str = "bf16, f16, f32, affine:BITS[:GROUP], turbo:KBITS[:VBITS][:nomean]";
+const SUPPORTED: &str =
+    "bf16, f16, f32, affine:BITS[:GROUP], turbo:KBITS[:VBITS][:nomean][:noscale]";
 
 impl KvScheme {
     pub fn uniform(codec: Codec) -> Self {
         KvScheme {
             default: codec,
+            sliding: None,
             per_layer: Vec::new(),
             quantized_kv_start: 0,
         }
     }
 
-    /// Parses a `--kv` value such as `bf16`, `affine:4` or `affine:8:32`.
+    /// Parses a `--kv` value such as `bf16`, `affine:4`, `affine:8:32` or `turbo:4:global`
+    /// (`:global`: the codec on full-attention layers only, sliding-window layers bf16).
     pub fn parse(text: &str) -> Result<Self, KvError> {
-        Ok(Self::uniform(Codec::parse(text)?))
+        let trimmed = text.trim();
+        let lower = trimmed.to_ascii_lowercase();
+        match lower.strip_suffix(GLOBAL_ONLY) {
+            Some(codec) => Ok(KvScheme {
+                sliding: Some(Codec::Plain(PlainDType::Bf16)),
+                ..Self::uniform(Codec::parse(codec)?)
+            }),
+            None => Ok(Self::uniform(Codec::parse(trimmed)?)),
+        }
     }
 
-    /// The codec layer `layer` uses.
-    pub fn codec_for(&self, layer: usize) -> Codec {
+    /// The codec layer `layer` (declared by `spec`) uses.
+    pub fn codec_for(&self, layer: usize, spec: &LayerSpec) -> Codec {
+        let by_kind = match (spec.retention, self.sliding) {
+            (Retention::Window { .. }, Some(sliding)) => sliding,
+            _ => self.default,
+        };
         self.per_layer
             .iter()
             .rev()
             .find(|(l, _)| *l == layer)
             .map(|(_, c)| *c)
-            .unwrap_or(self.default)
+            .unwrap_or(by_kind)
     }
 }
 
 impl Codec {
     /// Parses one codec name: `bf16`, `f16`, `f32`, `affine:BITS[:GROUP]` (group 64 by
-    /// default), `turbo:KBITS[:VBITS][:nomean]` (values as keys by default; keys centred on
-    /// the layer's mean key unless `nomean`).
+    /// default), `turbo:KBITS[:VBITS][:nomean][:noscale]` (values as keys by
+    /// default; every [`TurboPrep`] on unless named off).
     pub fn parse(text: &str) -> Result<Self, KvError> {
         let unknown = || KvError::UnknownScheme {
             given: text.to_string(),
@@ -170,8 +218,17 @@ impl Codec {
             }
             "turbo" => {
                 let mut fields: Vec<&str> = parts.by_ref().collect();
-                let center = fields.last() != Some(&"nomean");
-                if !center {
+                let mut prep = TurboPrep::ALL;
+                while let Some(&last) = fields.last() {
+                    let flag = match last {
+                        "nomean" => &mut prep.key_mean,
+                        "noscale" => &mut prep.key_scale,
+                        _ => break,
+                    };
+                    if !*flag {
+                        return Err(unknown()); // named twice
+                    }
+                    *flag = false;
                     fields.pop();
                 }
                 let kbits: u32 = fields
@@ -191,7 +248,7 @@ impl Codec {
                 Codec::Turbo {
                     kbits: kbits as u8,
                     vbits: vbits as u8,
-                    center,
+                    prep,
                 }
             }
             _ => return Err(unknown()),
@@ -204,12 +261,14 @@ impl Codec {
 }
 
 /// The JSON form of a per-layer scheme (`--kv-config FILE`):
-/// `{"default": "affine:4", "layers": [{"layer": 5, "scheme": "bf16"}], "quantized_kv_start": 0}`.
-/// Unknown keys are rejected; `layers` and `quantized_kv_start` may be left out.
+/// `{"default": "affine:4", "sliding": "bf16", "layers": [{"layer": 5, "scheme": "bf16"}],
+/// "quantized_kv_start": 0}`. Unknown keys are rejected; all but `default` may be left out.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct KvConfigFile {
     default: String,
+    #[serde(default)]
+    sliding: Option<String>,
     #[serde(default)]
     layers: Vec<LayerOverride>,
     #[serde(default)]
@@ -231,6 +290,11 @@ impl KvScheme {
             reason: e.to_string(),
         })?;
         let mut scheme = KvScheme::parse(&file.default)?;
+        if let Some(sliding) = file.sliding {
+            scheme.sliding = Some(Codec::parse(&sliding).map_err(|e| KvError::BadConfig {
+                reason: format!("sliding: {e}"),
+            })?);
+        }
         for o in file.layers {
             let codec = Codec::parse(&o.scheme).map_err(|e| KvError::BadConfig {
                 reason: format!("layer {}: {e}", o.layer),
@@ -258,7 +322,12 @@ impl FromStr for KvScheme {
 
 impl fmt::Display for KvScheme {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.default)
+        write!(f, "{}", self.default)?;
+        match self.sliding {
+            Some(Codec::Plain(PlainDType::Bf16)) => f.write_str(GLOBAL_ONLY),
+            Some(other) => write!(f, " (sliding {other})"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -286,9 +355,15 @@ mod tests {
     #[test]
     fn config_json_parses_and_rejects_bad_input() {
         let s = KvScheme::from_config_json(r#"{"default": "affine:4", "layers": [{"layer": 5, "scheme": "bf16"}, {"layer": 0, "scheme": "affine:8:32"}]}"#).unwrap();
-        assert_eq!(s.codec_for(5), Codec::Plain(PlainDType::Bf16));
-        assert_eq!(s.codec_for(0), Codec::Affine { bits: 8, group: 32 });
-        assert_eq!(s.codec_for(3), Codec::Affine { bits: 4, group: 64 });
+        let full = LayerSpec {
+            kv_heads: 1,
+            head_dim: 64,
+            value_dim: 64,
+            retention: Retention::Full,
+        };
+        assert_eq!(s.codec_for(5, &full), Codec::Plain(PlainDType::Bf16));
+        assert_eq!(s.codec_for(0, &full), Codec::Affine { bits: 8, group: 32 });
+        assert_eq!(s.codec_for(3, &full), Codec::Affine { bits: 4, group: 64 });
         for (bad, needle) in [
             (
                 r#"{"default": "affine:4", "extra": 1}"#,
@@ -307,6 +382,7 @@ mod tests {
                 "listed twice",
             ),
             (r#"{"default": "q4_0"}"#, "unknown KV scheme"),
+            (r#"{"default": "turbo:4", "sliding": "turbo:9"}"#, "sliding"),
             (r#"{"default": "affine:4""#, "kv config"),
         ] {
             let err = KvScheme::from_config_json(bad).unwrap_err().to_string();
@@ -314,11 +390,48 @@ mod tests {
         }
     }
 
+    fn spec(retention: Retention) -> LayerSpec {
+        LayerSpec {
+            kv_heads: 1,
+            head_dim: 64,
+            value_dim: 64,
+            retention,
+        }
+    }
+
     #[test]
     fn per_layer_override_wins() {
-        let mut s = KvScheme::uniform(Codec::Plain(PlainDType::Bf16));
+        let mut s = KvScheme::parse("turbo:4:global").unwrap();
         s.per_layer.push((3, Codec::Plain(PlainDType::F32)));
-        assert_eq!(s.codec_for(3), Codec::Plain(PlainDType::F32));
-        assert_eq!(s.codec_for(2), Codec::Plain(PlainDType::Bf16));
+        let window = spec(Retention::Window { size: 512 });
+        let full = spec(Retention::Full);
+        assert_eq!(s.codec_for(3, &window), Codec::Plain(PlainDType::F32));
+        assert_eq!(s.codec_for(3, &full), Codec::Plain(PlainDType::F32));
+        assert_eq!(s.codec_for(2, &window), Codec::Plain(PlainDType::Bf16));
+        assert_eq!(
+            s.codec_for(2, &full),
+            KvScheme::parse("turbo:4").unwrap().default
+        );
+    }
+
+    #[test]
+    fn global_suffix_keeps_sliding_layers_bf16() {
+        let s = KvScheme::parse("Affine:4:32:GLOBAL").unwrap();
+        let window = spec(Retention::Window { size: 512 });
+        assert_eq!(s.codec_for(0, &window), Codec::Plain(PlainDType::Bf16));
+        assert_eq!(
+            s.codec_for(0, &spec(Retention::Full)),
+            Codec::Affine { bits: 4, group: 32 }
+        );
+        assert_eq!(s.to_string(), "affine:4:32:global");
+        assert_eq!(KvScheme::parse(&s.to_string()).unwrap(), s);
+        assert!(KvScheme::parse("turbo:4:global:global").is_err());
+        assert!(KvScheme::parse(":global").is_err());
+        let json = KvScheme::from_config_json(r#"{"default": "turbo:6:3", "sliding": "affine:8"}"#)
+            .unwrap();
+        assert_eq!(
+            json.codec_for(0, &window),
+            Codec::Affine { bits: 8, group: 64 }
+        );
     }
 }

@@ -11,28 +11,30 @@ use std::ops::Range;
 
 pub(crate) struct TurboSource<'a> {
     planes: &'a TurboPlanes,
-    /// Per plane (keys, values): decoded lane-major by the 512-bit path, with the element
-    /// (rotated coordinate) each tile column holds.
-    wide: [Option<Vec<usize>>; 2],
+    /// Per plane (keys, values): how the 512-bit path decodes it, if it does.
+    #[cfg(target_arch = "x86_64")]
+    wide: [Option<x86::Wide>; 2],
+    /// Per plane: the element (rotated coordinate) each tile column holds, where the
+    /// decoding permutes them.
+    order: [Option<Vec<usize>>; 2],
 }
 
 impl TurboSource<'_> {
-    fn fill(
-        &self,
-        plane: &TurboPlane,
-        wide: bool,
-        block: usize,
-        slots: Range<usize>,
-        out: &mut [f32],
-    ) {
+    fn fill(&self, which: usize, block: usize, slots: Range<usize>, out: &mut [f32]) {
+        let (keys, values) = self.planes.planes();
+        let plane = [keys, values][which];
         let at = block * self.planes.capacity();
+        // SAFETY (both): `wide` is set only where the CPU and the plane's geometry allow it.
         #[cfg(target_arch = "x86_64")]
-        if wide {
-            // SAFETY: `wide` is set only where the CPU and the plane's geometry allow it.
-            unsafe { x86::decode_rows(plane, at, slots, out) };
-            return;
+        match self.wide[which] {
+            Some(x86::Wide::LaneMajor) => {
+                return unsafe { x86::decode_rows(plane, at, slots, out) }
+            }
+            Some(x86::Wide::ByteWindow) => {
+                return unsafe { x86::decode_rows_any(plane, at, slots, out) }
+            }
+            None => {}
         }
-        let _ = wide;
         for (slot, row) in slots.zip(out.chunks_exact_mut(plane.dim())) {
             plane.rotated(at + slot, row);
         }
@@ -41,18 +43,17 @@ impl TurboSource<'_> {
 
 impl TileSource for TurboSource<'_> {
     fn keys(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
-        let plane = self.planes.planes().0;
-        self.fill(plane, self.wide[0].is_some(), block, slots, out)
+        self.fill(0, block, slots, out)
     }
 
     fn values(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
-        let plane = self.planes.planes().1;
-        self.fill(plane, self.wide[1].is_some(), block, slots, out)
+        self.fill(1, block, slots, out)
     }
 
-    fn prepare_query(&self, q: &mut [f32]) {
+    fn prepare_query(&self, kv_head: usize, q: &mut [f32]) {
+        self.planes.key_prep().rescale(kv_head, q);
         self.planes.planes().0.rotation().forward(q);
-        if let Some(order) = &self.wide[0] {
+        if let Some(order) = &self.order[0] {
             let rotated = q.to_vec();
             for (x, &e) in q.iter_mut().zip(order) {
                 *x = rotated[e];
@@ -60,8 +61,8 @@ impl TileSource for TurboSource<'_> {
         }
     }
 
-    fn finish_output(&self, out: &mut [f32]) {
-        if let Some(order) = &self.wide[1] {
+    fn finish_output(&self, _kv_head: usize, out: &mut [f32]) {
+        if let Some(order) = &self.order[1] {
             let tile_order = out.to_vec();
             for (&x, &e) in tile_order.iter().zip(order) {
                 out[e] = x;
@@ -71,23 +72,43 @@ impl TileSource for TurboSource<'_> {
     }
 }
 
-/// 512-bit decoding of 2- and 4-bit turbo rows: codes unpacked lane-major as in
-/// [`crate::affine_decode`] (16 words per load, no permutes), looked up in the codebook
-/// with one in-register permute (at most 16 levels), scaled by the norm.
+/// 512-bit decoding of turbo rows. 2- and 4-bit rows: codes unpacked lane-major as in
+/// [`crate::affine_decode`] (16 words per load, no permutes). Other widths (3, 5–8 bits):
+/// 16 codes at a time in element order, from the `2·bits`-byte window that holds them: the
+/// window broadcast to all four 128-bit lanes, each code's two bytes shuffled into its own
+/// 32-bit lane, shifted and masked. Then the codebook lookup in registers (up to 64
+/// levels; a gather from the table beyond), scaled by the norm.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use crate::turbo_planes::TurboPlane;
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    pub fn available(plane: &TurboPlane) -> bool {
-        matches!(plane.bits(), 2 | 4)
-            && (plane.dim() * plane.bits() as usize) % 512 == 0
-            && std::is_x86_feature_detected!("avx512f")
+    /// How a plane's rows are decoded on this CPU, if by 512-bit code.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub enum Wide {
+        /// 2 and 4 bits: lane-major, element order permuted.
+        LaneMajor,
+        /// Any width: element order kept.
+        ByteWindow,
+    }
+
+    pub fn available(plane: &TurboPlane) -> Option<Wide> {
+        if !std::is_x86_feature_detected!("avx512f") {
+            return None;
+        }
+        let (dim, bits) = (plane.dim(), plane.bits() as usize);
+        if matches!(bits, 2 | 4) && (dim * bits) % 512 == 0 {
+            return Some(Wide::LaneMajor);
+        }
+        (dim % 16 == 0
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl"))
+        .then_some(Wide::ByteWindow)
     }
 
     /// # Safety
-    /// The CPU must have AVX-512 F and [`available`] must hold for `plane`.
+    /// The CPU must have AVX-512 F and [`available`] must give `LaneMajor` for `plane`.
     #[target_feature(enable = "avx512f,avx2")]
     pub unsafe fn decode_rows(plane: &TurboPlane, at: usize, slots: Range<usize>, out: &mut [f32]) {
         let (dim, bits) = (plane.dim(), plane.bits() as usize);
@@ -113,25 +134,90 @@ mod x86 {
             }
         }
     }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL and [`available`] must give `ByteWindow` for
+    /// `plane`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    pub unsafe fn decode_rows_any(
+        plane: &TurboPlane,
+        at: usize,
+        slots: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let (dim, bits) = (plane.dim(), plane.bits() as usize);
+        let levels = plane.levels();
+        let mut table = [0f32; 256];
+        table[..levels.len()].copy_from_slice(levels);
+        let t: [__m512; 4] = std::array::from_fn(|i| _mm512_loadu_ps(table.as_ptr().add(16 * i)));
+        // Code j of a window starts at bit j·bits, in byte j·bits/8: that byte and the
+        // next go to the low half of 32-bit lane j (128-bit lane j/4 of the shuffle, which
+        // indexes within its own copy of the window).
+        let mut lane_shuffle = [-1i8; 64];
+        let mut shifts = [0i32; 16];
+        for (j, shift) in shifts.iter_mut().enumerate() {
+            let byte = (j * bits) / 8;
+            lane_shuffle[4 * j] = byte as i8;
+            lane_shuffle[4 * j + 1] = (byte + 1).min(15) as i8;
+            *shift = ((j * bits) % 8) as i32;
+        }
+        let shuffle = _mm512_loadu_si512(lane_shuffle.as_ptr().cast());
+        let shifts = _mm512_loadu_si512(shifts.as_ptr().cast());
+        let mask = _mm512_set1_epi32((1 << bits) - 1);
+        let window: __mmask16 = ((1u32 << (2 * bits)) - 1) as __mmask16;
+        for (slot, row) in slots.zip(out.chunks_exact_mut(dim)) {
+            let (codes, norm) = plane.slot(at + slot);
+            assert!(codes.len() * 32 >= dim * bits);
+            let bytes = codes.as_ptr().cast::<i8>();
+            let norm = _mm512_set1_ps(norm);
+            for (w, cols) in row.chunks_exact_mut(16).enumerate() {
+                // The window holds 2·bits ≤ 16 bytes; the masked load reads no further.
+                let x = _mm_maskz_loadu_epi8(window, bytes.add(w * 2 * bits));
+                let x = _mm512_broadcast_i32x4(x);
+                let c = _mm512_and_si512(
+                    _mm512_srlv_epi32(_mm512_shuffle_epi8(x, shuffle), shifts),
+                    mask,
+                );
+                let v = match levels.len() {
+                    0..=16 => _mm512_permutexvar_ps(c, t[0]),
+                    17..=32 => _mm512_permutex2var_ps(t[0], c, t[1]),
+                    33..=64 => {
+                        let lo = _mm512_permutex2var_ps(t[0], c, t[1]);
+                        let hi = _mm512_permutex2var_ps(t[2], c, t[3]);
+                        let upper = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+                        _mm512_mask_blend_ps(upper, lo, hi)
+                    }
+                    _ => _mm512_i32gather_ps::<4>(c, table.as_ptr()),
+                };
+                _mm512_storeu_ps(cols.as_mut_ptr(), _mm512_mul_ps(v, norm));
+            }
+        }
+    }
 }
 
-/// The tile source of `planes`: 512-bit decoding where the CPU and bit widths allow.
+/// The tile source of `planes`: 512-bit decoding where the CPU allows.
 pub(crate) fn source(planes: &TurboPlanes) -> TurboSource<'_> {
     let (keys, values) = planes.planes();
-    let wide = |plane: &TurboPlane| -> Option<Vec<usize>> {
-        #[cfg(target_arch = "x86_64")]
-        if x86::available(plane) {
-            return Some(crate::affine_decode::x86::lane_major_order(
-                plane.dim(),
-                plane.bits(),
-            ));
+    #[cfg(target_arch = "x86_64")]
+    {
+        let wide = [x86::available(keys), x86::available(values)];
+        let order = |plane: &TurboPlane, wide| {
+            (wide == Some(x86::Wide::LaneMajor))
+                .then(|| crate::affine_decode::x86::lane_major_order(plane.dim(), plane.bits()))
+        };
+        TurboSource {
+            planes,
+            wide,
+            order: [order(keys, wide[0]), order(values, wide[1])],
         }
-        let _ = plane;
-        None
-    };
-    TurboSource {
-        planes,
-        wide: [wide(keys), wide(values)],
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (keys, values);
+        TurboSource {
+            planes,
+            order: [None, None],
+        }
     }
 }
 

@@ -6,7 +6,8 @@
 
 use crate::affine::{get_code, put_code};
 use crate::turbo::{Codebook, Rotation};
-use crate::KvError;
+use crate::turbo_prep::ChannelPrep;
+use crate::{KvError, TurboPrep};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 
@@ -116,10 +117,11 @@ pub struct TurboPlanes {
     rows: usize,
     heads: usize,
     capacity: usize,
-    /// The mean key per KV head (`heads × head_dim`) subtracted before encoding, if any.
-    /// Reads need not add it back: `q · m` is the same for every position of a head, and
-    /// softmax ignores a constant added to all of a query's scores.
-    key_mean: Option<Vec<f32>>,
+    /// What keys are centred on and scaled by before encoding (see [`ChannelPrep`]). Fused
+    /// reads skip the mean: `q · m` is the same for every position of a head, and softmax
+    /// ignores a constant added to all of a query's scores. (Values are encoded as they
+    /// come: the same preparation did not pay for them; see BENCHMARKS.md.)
+    key_prep: ChannelPrep,
     keys: TurboPlane,
     values: TurboPlane,
     device: Device,
@@ -145,7 +147,7 @@ impl TurboPlanes {
             rows,
             heads,
             capacity: 0,
-            key_mean: None,
+            key_prep: ChannelPrep::default(),
             keys: TurboPlane::new(head_dim, kbits, KEY_SEED),
             values: TurboPlane::new(value_dim, vbits, VALUE_SEED),
             device: Device::Cpu,
@@ -160,33 +162,26 @@ impl TurboPlanes {
         self.capacity
     }
 
-    pub fn centered(&self) -> bool {
-        self.key_mean.is_some()
+    pub(crate) fn key_prep(&self) -> &ChannelPrep {
+        &self.key_prep
     }
 
-    /// Centres keys on the mean of `k` `(rows, heads, n, head_dim)` per KV head (over rows
-    /// and positions). Set once, before anything is written.
-    pub fn center_keys_on(&mut self, k: &Tensor) -> Result<(), KvError> {
-        let (b, h, n, d) = k.dims4()?;
-        let x = bf16_values(k)?;
-        let mut mean = vec![0f32; h * d];
-        for (i, row) in x.chunks_exact(d).enumerate() {
-            let head = (i / n) % h;
-            for (m, v) in mean[head * d..(head + 1) * d].iter_mut().zip(row) {
-                *m += v;
-            }
+    /// The preparation these planes were fitted with.
+    pub fn prep(&self) -> TurboPrep {
+        TurboPrep {
+            key_mean: self.key_prep.centered(),
+            key_scale: self.key_prep.scaled(),
         }
-        mean.iter_mut().for_each(|m| *m /= (b * n) as f32);
-        self.key_mean = Some(mean);
-        Ok(())
     }
 
-    /// The key mean of head `head`, if keys are centred.
-    fn mean_of(&self, head: usize) -> Option<&[f32]> {
-        let d = self.keys.dim;
-        self.key_mean
-            .as_deref()
-            .map(|m| &m[head * d..(head + 1) * d])
+    /// Fits the key preparation `prep` on `k` `(rows, heads, n, head_dim)`, per KV head over
+    /// rows and positions. Set once, before anything is written.
+    pub fn fit_key_prep(&mut self, k: &Tensor, prep: TurboPrep) -> Result<(), KvError> {
+        let n = k.dims4()?.2;
+        let x = bf16_values(k)?;
+        let (h, d) = (self.heads, self.keys.dim);
+        self.key_prep = ChannelPrep::fit(&x, h, n, d, prep.key_mean, prep.key_scale);
+        Ok(())
     }
 
     /// `(heads, head_dim, value_dim)`.
@@ -206,6 +201,7 @@ impl TurboPlanes {
     pub fn allocated_bytes(&self) -> usize {
         (self.keys.codes.len() + self.values.codes.len()) * 4
             + (self.keys.norms.len() + self.values.norms.len()) * 2
+            + self.key_prep.bytes()
     }
 
     /// Makes room for `slots` slots, growing in [`crate::GROWTH_STEP`] steps but never past `limit`.
@@ -235,7 +231,7 @@ impl TurboPlanes {
             rows: self.rows,
             heads: self.heads,
             capacity: 0,
-            key_mean: self.key_mean.clone(),
+            key_prep: self.key_prep.clone(),
             keys: empty(&self.keys),
             values: empty(&self.values),
             device: self.device.clone(),
@@ -265,23 +261,14 @@ impl TurboPlanes {
         let n = k.dims()[2];
         let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
         let (dk, dv) = (self.keys.dim, self.values.dim);
-        let mut centred = vec![0f32; dk];
+        let mut pk = vec![0f32; dk];
         for block in 0..self.rows * self.heads {
-            let mean = self.mean_of(block % self.heads).map(|m| m.to_vec());
+            let head = block % self.heads;
             for i in 0..n {
                 let (at, src) = (block * self.capacity + slot + i, block * n + i);
-                let key = &kx[src * dk..(src + 1) * dk];
-                let key = match &mean {
-                    Some(m) => {
-                        for ((c, x), m) in centred.iter_mut().zip(key).zip(m) {
-                            *c = x - m;
-                        }
-                        &centred[..]
-                    }
-                    None => key,
-                };
-                self.keys.write(at, key);
-                self.values.write(at, &vx[src * dv..(src + 1) * dv]);
+                self.key_prep.encode(head, &kx[src * dk..][..dk], &mut pk);
+                self.keys.write(at, &pk);
+                self.values.write(at, &vx[src * dv..][..dv]);
             }
         }
         Ok(())
@@ -290,20 +277,15 @@ impl TurboPlanes {
     /// Slots `slot .. slot + len` of both planes, decoded to f32 `(rows, heads, len, dim)`
     /// (keys with their mean added back).
     pub fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
-        let plane = |p: &TurboPlane, keys: bool| -> Result<Tensor, KvError> {
+        let plane = |p: &TurboPlane, prep: Option<&ChannelPrep>| -> Result<Tensor, KvError> {
             let mut out = vec![0f32; self.rows * self.heads * len * p.dim];
             for block in 0..self.rows * self.heads {
-                let mean = if keys {
-                    self.mean_of(block % self.heads)
-                } else {
-                    None
-                };
                 for i in 0..len {
                     let at = block * len + i;
                     let row = &mut out[at * p.dim..(at + 1) * p.dim];
                     p.read(block * self.capacity + slot + i, row);
-                    if let Some(m) = mean {
-                        row.iter_mut().zip(m).for_each(|(x, m)| *x += m);
+                    if let Some(prep) = prep {
+                        prep.decode(block % self.heads, row);
                     }
                 }
             }
@@ -313,13 +295,20 @@ impl TurboPlanes {
                 &self.device,
             )?)
         };
-        Ok((plane(&self.keys, true)?, plane(&self.values, false)?))
+        Ok((
+            plane(&self.keys, Some(&self.key_prep))?,
+            plane(&self.values, None)?,
+        ))
     }
 
     /// What a later read of `x` returns once stored: encoded and decoded.
     pub fn as_stored(&self, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
         let (b, h, n, d) = x.dims4()?;
-        let src = if keys { &self.keys } else { &self.values };
+        let (src, prep) = if keys {
+            (&self.keys, &self.key_prep)
+        } else {
+            (&self.values, &ChannelPrep::default())
+        };
         let mut plane = TurboPlane {
             codes: vec![0; src.words],
             norms: vec![f16::ZERO],
@@ -327,31 +316,16 @@ impl TurboPlanes {
         };
         let values = bf16_values(x)?;
         let mut out = vec![0f32; values.len()];
-        let mut centred = vec![0f32; d];
+        let mut prepared = vec![0f32; d];
         for (i, (s, o)) in values
             .chunks_exact(d)
             .zip(out.chunks_exact_mut(d))
             .enumerate()
         {
-            let mean = if keys {
-                self.mean_of((i / n) % h)
-            } else {
-                None
-            };
-            match mean {
-                Some(m) => {
-                    for ((c, x), m) in centred.iter_mut().zip(s).zip(m) {
-                        *c = x - m;
-                    }
-                    plane.write(0, &centred);
-                    plane.read(0, o);
-                    o.iter_mut().zip(m).for_each(|(x, m)| *x += m);
-                }
-                None => {
-                    plane.write(0, s);
-                    plane.read(0, o);
-                }
-            }
+            prep.encode((i / n) % h, s, &mut prepared);
+            plane.write(0, &prepared);
+            plane.read(0, o);
+            prep.decode((i / n) % h, o);
         }
         Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
     }

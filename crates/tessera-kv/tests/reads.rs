@@ -5,7 +5,9 @@
 
 use candle_core::{Device, Tensor};
 use proptest::prelude::*;
-use tessera_kv::{AttentionCache, Codec, KvCache, KvScheme, LayerSpec, PlainDType, Retention};
+use tessera_kv::{
+    AttentionCache, Codec, KvCache, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep,
+};
 
 struct Reference {
     keys: Vec<Vec<Vec<Vec<f32>>>>, // [row][head][pos][d]
@@ -591,10 +593,15 @@ fn codec_strategy() -> impl Strategy<Value = Codec> {
             prop::sample::select(vec![32u16, 64, 128])
         )
             .prop_map(|(bits, group)| Codec::Affine { bits, group }),
-        (2u8..=8, 2u8..=8, any::<bool>()).prop_map(|(kbits, vbits, center)| Codec::Turbo {
-            kbits,
-            vbits,
-            center
+        (2u8..=8, 2u8..=8, any::<(bool, bool)>()).prop_map(|(kbits, vbits, p)| {
+            Codec::Turbo {
+                kbits,
+                vbits,
+                prep: TurboPrep {
+                    key_mean: p.0,
+                    key_scale: p.1,
+                },
+            }
         }),
     ]
 }
@@ -667,7 +674,7 @@ fn turbo_schemes_parse_account_and_refuse_bad_input() {
         Codec::Turbo {
             kbits: 6,
             vbits: 3,
-            center: true
+            prep: TurboPrep::ALL
         }
     );
     assert_eq!(
@@ -675,17 +682,24 @@ fn turbo_schemes_parse_account_and_refuse_bad_input() {
         Codec::Turbo {
             kbits: 4,
             vbits: 4,
-            center: true
+            prep: TurboPrep::ALL
         }
     );
+    let parsed = KvScheme::parse("turbo:4:nomean").unwrap().default;
     assert_eq!(
-        KvScheme::parse("turbo:4:nomean").unwrap().default,
+        parsed,
         Codec::Turbo {
             kbits: 4,
             vbits: 4,
-            center: false
+            prep: TurboPrep {
+                key_mean: false,
+                key_scale: true,
+            }
         }
     );
+    assert_eq!(parsed.to_string(), "turbo:4:4:nomean");
+    assert!(KvScheme::parse("turbo:4:noscale:noscale").is_err());
+    assert!(KvScheme::parse("turbo:4:nomeans").is_err());
     let err = KvScheme::parse("turbo:9:4").unwrap_err().to_string();
     assert!(err.contains("9-bit keys"), "{err}");
     assert!(KvScheme::parse("turbo:4:4:4").is_err());
@@ -711,4 +725,60 @@ fn turbo_schemes_parse_account_and_refuse_bad_input() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("layer 1") && err.contains("96"), "{err}");
+}
+
+/// Per-channel key scales lower the error of scores `q · k` against exact scores when the
+/// key channels are uneven (RMS from 0.1 to 10, as after a QK-norm's learned weights), for
+/// queries of even channels; and with even channels they change little.
+#[test]
+fn key_scales_lower_score_error_on_uneven_channels() {
+    use tessera_kv::turbo_planes::TurboPlanes;
+    let (n, d) = (400, 128);
+    let mut seed = 11;
+    let (raw, _) = random((1, 1, n, d), &mut seed);
+    let (_, queries) = random((1, 1, 64, d), &mut seed);
+    let score_error = |k: &Tensor, scale: bool| -> f64 {
+        let mut planes = TurboPlanes::new(4, 4, 1, 1, d, d);
+        let prep = TurboPrep {
+            key_mean: true,
+            key_scale: scale,
+        };
+        planes.fit_key_prep(k, prep).unwrap();
+        let stored: Vec<f32> = planes
+            .as_stored(k, true)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let exact: Vec<f32> = k.flatten_all().unwrap().to_vec1().unwrap();
+        let mut err = 0f64;
+        for q in queries.chunks_exact(d) {
+            for (a, b) in exact.chunks_exact(d).zip(stored.chunks_exact(d)) {
+                let e: f32 = q
+                    .iter()
+                    .zip(a.iter().zip(b))
+                    .map(|(q, (a, b))| q * (a - b))
+                    .sum();
+                err += (e as f64).powi(2);
+            }
+        }
+        err
+    };
+    let channel_rms: Vec<f32> = (0..d)
+        .map(|c| 10f32.powf(2.0 * (c % 17) as f32 / 16.0 - 1.0))
+        .collect();
+    let uneven = raw
+        .broadcast_mul(&Tensor::new(channel_rms.as_slice(), &Device::Cpu).unwrap())
+        .unwrap();
+    let (plain, scaled) = (score_error(&uneven, false), score_error(&uneven, true));
+    assert!(
+        scaled < 0.5 * plain,
+        "uneven channels: scaled {scaled} vs plain {plain}"
+    );
+    let (plain, scaled) = (score_error(&raw, false), score_error(&raw, true));
+    assert!(
+        scaled < 1.1 * plain,
+        "even channels: scaled {scaled} vs plain {plain}"
+    );
 }
