@@ -401,3 +401,23 @@ pub fn info(model: Option<&Path>) -> Result<()> {
     println!("tensor types:  {}", types.join(", "));
     Ok(())
 }
+
+/// `model synth`: a random-weight GGUF of a preset's shapes.
+pub fn synth(arch: &str, preset: &str, out: &Path, dtype: &str, seed: u64) -> Result<()> {
+    use tessera_models::synth;
+    let shape = synth::preset(arch, preset)?;
+    let dtype = synth::parse_dtype(dtype)?;
+    let t = std::time::Instant::now();
+    synth::write_gemma3(&shape, dtype, seed, out)?;
+    let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
+    println!(
+        "wrote {} ({}: {:.2} B parameters, {:?}, {:.1} MiB) in {:.1} s",
+        out.display(),
+        shape.name,
+        shape.parameters() as f64 / 1e9,
+        dtype,
+        bytes as f64 / (1 << 20) as f64,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

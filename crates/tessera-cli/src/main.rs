@@ -190,6 +190,22 @@ enum ModelAction {
         #[arg(long)]
         model: Option<PathBuf>,
     },
+    /// Write a GGUF with random weights in a real architecture's shapes (for speed and
+    /// memory at realistic sizes without downloads), e.g. `--preset gemma3-12b`.
+    Synth {
+        #[arg(long, default_value = "gemma3")]
+        arch: String,
+        /// tiny, gemma3-270m, gemma3-1b, gemma3-4b, gemma3-12b, gemma3-27b.
+        #[arg(long)]
+        preset: String,
+        #[arg(long)]
+        out: PathBuf,
+        /// Weight type: q8_0, q4_0, f16 or f32.
+        #[arg(long, default_value = "q8_0")]
+        dtype: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -267,6 +283,16 @@ fn run(cli: Cli) -> Result<()> {
         Command::Model {
             action: ModelAction::Info { model },
         } => commands::info(model.as_deref()),
+        Command::Model {
+            action:
+                ModelAction::Synth {
+                    arch,
+                    preset,
+                    out,
+                    dtype,
+                    seed,
+                },
+        } => commands::synth(&arch, &preset, &out, &dtype, seed),
     }
 }
 

@@ -1,6 +1,7 @@
 //! `eval --plot`: mean KL divergence against bf16 over bits per stored KV element, one
 //! labelled point per scheme; schemes of one family (`affine`, `turbo`, `turbo:noscale`,
-//! …) share a colour and a line, so codecs compare at equal bits. The SVG is written by
+//! …) share a colour and a line through the family's best points by bits, so codecs
+//! compare at equal bits. The SVG is written by
 //! hand; a chart this small does not justify a plotting dependency.
 
 use std::fmt::Write;
@@ -242,16 +243,32 @@ pub fn kl_vs_bits_svg(points: &[PlotPoint], title: &str) -> String {
         PALETTE[i % PALETTE.len()]
     };
     for (i, f) in families.iter().enumerate() {
-        let mut members: Vec<(f64, f64)> = points
+        // The family's front: by bits, each point that beats every point with fewer or
+        // equal bits (what the family achieves at each budget; other points stay dots).
+        let mut members: Vec<(&PlotPoint, (f64, f64))> = points
             .iter()
             .zip(&l.positions)
             .filter(|(p, _)| family(&p.label) == *f)
-            .map(|(_, &xy)| xy)
+            .map(|(p, &xy)| (p, xy))
+            .collect();
+        members.sort_by(|a, b| {
+            a.0.bits
+                .total_cmp(&b.0.bits)
+                .then(a.0.kl.total_cmp(&b.0.kl))
+        });
+        let mut best = f64::INFINITY;
+        let members: Vec<(f64, f64)> = members
+            .into_iter()
+            .filter(|(p, _)| {
+                let front = p.kl < best;
+                best = best.min(p.kl);
+                front
+            })
+            .map(|(_, xy)| xy)
             .collect();
         if members.len() < 2 {
             continue;
         }
-        members.sort_by(|a, b| a.0.total_cmp(&b.0));
         let path: Vec<String> = members
             .iter()
             .map(|(x, y)| format!("{x:.1},{y:.1}"))
@@ -304,6 +321,14 @@ pub fn kl_vs_bits_svg(points: &[PlotPoint], title: &str) -> String {
             })
             .unwrap_or(base);
         placed.push((x0, ty - 11.0, x0 + w, ty + 3.0));
+        if (ty - base).abs() > 0.5 {
+            // A nudged label gets a leader line back to its point.
+            let _ = writeln!(
+                s,
+                r##"<line x1="{x:.1}" y1="{y:.1}" x2="{tx:.1}" y2="{:.1}" stroke="#999" stroke-width="0.8"/>"##,
+                ty - 4.0
+            );
+        }
         let _ = writeln!(
             s,
             r#"<text x="{tx:.1}" y="{ty:.1}" text-anchor="{anchor}">{}</text>"#,
@@ -371,6 +396,18 @@ mod tests {
         assert_ne!(fill("affine:4"), fill("turbo:4"));
         assert_ne!(fill("turbo:4"), fill("turbo:4:global"));
         assert!(svg.contains(">turbo:global</text>"), "legend entry");
+        // A point beaten at fewer bits stays off its family's line.
+        let points = [
+            point("turbo:4:3", 3.56, 0.06),
+            point("turbo:6:2", 4.06, 0.09),
+            point("turbo:5:3", 4.06, 0.035),
+        ];
+        let svg = kl_vs_bits_svg(&points, "t");
+        let l = layout(&points);
+        let line = svg.split("<polyline points=\"").nth(1).unwrap();
+        let line = line.split('"').next().unwrap();
+        let at = |i: usize| format!("{:.1},{:.1}", l.positions[i].0, l.positions[i].1);
+        assert_eq!(line, format!("{} {}", at(0), at(2)));
     }
 
     /// The fill of the circle drawn for `label` (circles come in point order).

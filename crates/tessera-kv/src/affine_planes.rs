@@ -174,6 +174,16 @@ impl AffinePlanes {
         }
     }
 
+    /// The stored arrays of (keys, values): codes `(rows, heads, capacity, words)` and
+    /// `(scale, bias)` per group `(rows, heads, capacity, groups, 2)` — what a GPU copy of
+    /// the planes uploads as is.
+    pub fn raw(&self) -> [(&[u32], &[f16]); 2] {
+        [
+            (&self.keys.codes, &self.keys.params),
+            (&self.values.codes, &self.values.params),
+        ]
+    }
+
     pub fn bits(&self) -> u8 {
         self.bits
     }

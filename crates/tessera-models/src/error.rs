@@ -49,6 +49,9 @@ pub enum ModelError {
     #[error("tokenizer: {0}")]
     Tokenizer(String),
 
+    #[error("model synth: {0}")]
+    Synth(String),
+
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { id: u32, vocab: usize },
 

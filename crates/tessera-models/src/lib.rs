@@ -11,6 +11,7 @@ mod error;
 pub mod gemma3;
 pub mod gguf;
 pub mod q8;
+pub mod synth;
 mod tokenizer;
 
 pub use error::ModelError;

@@ -1,0 +1,295 @@
+//! Parity and speed of the GPU decode read, in one device run:
+//! `kv-read-bench [parity] [copy] [time]` (all three by default).
+//! - parity: random keys/values stored by the CPU cache's own codecs (bf16 rounding,
+//!   tessera-kv's affine quantizer), uploaded as stored, read on the GPU with left padding
+//!   and ragged lengths, compared with attention in f64 on the host over the same stored
+//!   values: ‖gpu − ref‖ / ‖ref‖ must stay under 1e-3; the output is poisoned (NaN) first.
+//! - copy: device-to-device copy bandwidth (bytes read + written), the ceiling we report
+//!   against.
+//! - time: median µs per read (both launches) for (q heads, kv heads, dim) = (4,1,256),
+//!   (32,8,128), (64,8,128), batch 1 and 16, 4k/32k/128k positions, bf16 and affine 4/8
+//!   (g64); GB/s over the bytes of the stored keys and values.
+//!   `bench/sdpa_decode.py` times torch's SDPA on the same shapes in the same call.
+
+use anyhow::{bail, Result};
+use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaSlice};
+use candle_core::{Device, Tensor};
+use half::{bf16, f16};
+use tessera_kernels::cuda::{DecodeRead, GpuCodec, GpuPlanes};
+use tessera_kv::affine_planes::AffinePlanes;
+
+fn lcg(s: &mut u64) -> f32 {
+    *s = s
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// Stores `k`, `v` (batch, kv_heads, cap, d) with `codec` as the CPU cache would; returns
+/// the planes' words and the values a read of them returns.
+#[allow(clippy::type_complexity)]
+fn store(
+    codec: GpuCodec,
+    k: &[f32],
+    v: &[f32],
+    shape: (usize, usize, usize, usize),
+) -> Result<([Vec<u32>; 4], usize, Vec<f32>, Vec<f32>)> {
+    let (b, h, n, d) = shape;
+    match codec {
+        GpuCodec::Bf16 => {
+            let pack = |x: &[f32]| -> Vec<u32> {
+                x.chunks_exact(2)
+                    .map(|p| {
+                        bf16::from_f32(p[0]).to_bits() as u32
+                            | (bf16::from_f32(p[1]).to_bits() as u32) << 16
+                    })
+                    .collect()
+            };
+            let round =
+                |x: &[f32]| -> Vec<f32> { x.iter().map(|&a| bf16::from_f32(a).to_f32()).collect() };
+            Ok(([pack(k), pack(v), vec![], vec![]], n, round(k), round(v)))
+        }
+        GpuCodec::Affine { bits, group } => {
+            let mut planes = AffinePlanes::new(bits, group, b, h, d, d);
+            planes.reserve(n, n);
+            let kt = Tensor::from_vec(k.to_vec(), shape, &Device::Cpu)?;
+            let vt = Tensor::from_vec(v.to_vec(), shape, &Device::Cpu)?;
+            planes.write(0, &kt, &vt)?;
+            let cap = planes.capacity();
+            let (kd, vd) = planes.read(0, n)?;
+            let [(kc, kp), (vc, vp)] = planes.raw();
+            let pairs = |p: &[f16]| -> Vec<u32> {
+                p.chunks_exact(2)
+                    .map(|x| x[0].to_bits() as u32 | (x[1].to_bits() as u32) << 16)
+                    .collect()
+            };
+            Ok((
+                [kc.to_vec(), vc.to_vec(), pairs(kp), pairs(vp)],
+                cap,
+                kd.flatten_all()?.to_vec1()?,
+                vd.flatten_all()?.to_vec1()?,
+            ))
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (b, kvh, n, d): (usize, usize, usize, usize),
+    g: usize,
+    starts: &[i32],
+    ends: &[i32],
+) -> Vec<f64> {
+    let mut out = vec![0f64; b * kvh * g * d];
+    for row in 0..b {
+        for hq in 0..kvh * g {
+            let h = hq / g;
+            let qv = &q[(row * kvh * g + hq) * d..][..d];
+            let at = |p: usize| ((row * kvh + h) * n + p) * d;
+            let positions = starts[row] as usize..ends[row] as usize;
+            let scores: Vec<f64> = positions
+                .clone()
+                .map(|p| (0..d).map(|i| qv[i] as f64 * k[at(p) + i] as f64).sum())
+                .collect();
+            let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            let o = &mut out[(row * kvh * g + hq) * d..][..d];
+            for (p, wp) in positions.zip(&w) {
+                for i in 0..d {
+                    o[i] += wp / sum * v[at(p) + i] as f64;
+                }
+            }
+        }
+    }
+    out
+}
+
+fn parity(gpu: &DecodeRead) -> Result<()> {
+    let codecs = [
+        GpuCodec::Bf16,
+        GpuCodec::Affine { bits: 4, group: 64 },
+        GpuCodec::Affine { bits: 8, group: 64 },
+    ];
+    let mut seed = 0x1234_5678u64;
+    let mut worst = 0f64;
+    for codec in codecs {
+        for (qh, kvh, d) in [
+            (4, 1, 256),
+            (32, 8, 128),
+            (8, 8, 64),
+            (64, 8, 128),
+            (2, 1, 128),
+        ] {
+            let g = qh / kvh;
+            let (b, n) = (3, 2100 + (seed as usize % 900));
+            let shape = (b, kvh, n, d);
+            // Keys and values with a few large channels, as real keys have.
+            let k: Vec<f32> = (0..b * kvh * n * d)
+                .map(|i| lcg(&mut seed) * if i % d < 4 { 6.0 } else { 1.0 })
+                .collect();
+            let v: Vec<f32> = (0..b * kvh * n * d).map(|_| lcg(&mut seed)).collect();
+            let q: Vec<f32> = (0..b * qh * d).map(|_| lcg(&mut seed) * 0.2).collect();
+            // Left padding, a short row, a row of one position.
+            let starts = vec![0i32, 37, (n - 1) as i32];
+            let ends = vec![n as i32, (n - 290) as i32, n as i32];
+            let ([kw, vw, kp, vp], cap, kr, vr) = store(codec, &k, &v, shape)?;
+            // The reference reads the stored values, laid out with the planes' capacity.
+            let (kr, vr) = (regrid(&kr, shape, cap), regrid(&vr, shape, cap));
+            let planes = gpu.upload(codec, (b, kvh, cap, d), &kw, &vw, &kp, &vp)?;
+            let want = reference(&q, &kr, &vr, (b, kvh, cap, d), g, &starts, &ends);
+            let s = &gpu.stream;
+            let qd = s.clone_htod(&q)?;
+            let (sd, ed) = (s.clone_htod(&starts)?, s.clone_htod(&ends)?);
+            let mut out: CudaSlice<f32> = s.clone_htod(&vec![f32::NAN; b * qh * d])?;
+            let mut scratch = gpu.scratch(&planes, g, n)?;
+            gpu.decode(&planes, g, &qd, &sd, &ed, &mut scratch, &mut out)?;
+            let got = s.clone_dtoh(&out)?;
+            if got.iter().any(|x| !x.is_finite()) {
+                bail!(
+                    "{} ({qh},{kvh},{d}): unwritten or non-finite output",
+                    codec.name()
+                );
+            }
+            let num: f64 = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (*a as f64 - b).powi(2))
+                .sum();
+            let den: f64 = want.iter().map(|b| b * b).sum();
+            let rel = (num / den).sqrt();
+            worst = worst.max(rel);
+            println!(
+                "parity {:<12} ({qh},{kvh},{d}) b{b} n{n} splits {}: rel err {rel:.2e}",
+                codec.name(),
+                scratch.splits
+            );
+            if !(rel <= 1e-3) {
+                bail!(
+                    "{} ({qh},{kvh},{d}): relative error {rel:.3e} over 1e-3",
+                    codec.name()
+                );
+            }
+        }
+    }
+    println!("parity: all passed, worst relative error {worst:.2e}");
+    Ok(())
+}
+
+/// (b, h, n, d) values into (b, h, cap, d) slots (zeros beyond n).
+fn regrid(x: &[f32], (b, h, n, d): (usize, usize, usize, usize), cap: usize) -> Vec<f32> {
+    if x.len() == b * h * cap * d {
+        return x.to_vec();
+    }
+    let mut out = vec![0f32; b * h * cap * d];
+    for blk in 0..b * h {
+        out[blk * cap * d..][..n * d].copy_from_slice(&x[blk * n * d..][..n * d]);
+    }
+    out
+}
+
+fn timed<F: FnMut() -> Result<()>>(gpu: &DecodeRead, reps: usize, mut f: F) -> Result<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let a = gpu.stream.record_event(flags)?;
+        f()?;
+        let b = gpu.stream.record_event(flags)?;
+        times.push(a.elapsed_ms(&b)? as f64 * 1000.0);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[reps / 2])
+}
+
+fn copy_bandwidth(gpu: &DecodeRead) -> Result<f64> {
+    let n = 1usize << 29; // 2 GiB of u32
+    let src = gpu.stream.alloc_zeros::<u32>(n)?;
+    let mut dst = gpu.stream.alloc_zeros::<u32>(n)?;
+    let us = timed(gpu, 10, || Ok(gpu.stream.memcpy_dtod(&src, &mut dst)?))?;
+    let gbs = (2 * 4 * n) as f64 / us / 1e3;
+    println!("copy: {us:.0} µs for 2 × 2 GiB → {gbs:.0} GB/s (read + write)");
+    Ok(gbs)
+}
+
+fn time_reads(gpu: &DecodeRead, copy: f64) -> Result<()> {
+    println!(
+        "{:<14} {:>12} {:>5} {:>7} {:>10} {:>8} {:>7}",
+        "codec", "shape", "batch", "tokens", "µs", "GB/s", "%copy"
+    );
+    for codec in [
+        GpuCodec::Bf16,
+        GpuCodec::Affine { bits: 4, group: 64 },
+        GpuCodec::Affine { bits: 8, group: 64 },
+    ] {
+        for (qh, kvh, d) in [(4usize, 1usize, 256usize), (32, 8, 128), (64, 8, 128)] {
+            for b in [1usize, 16] {
+                for n in [4096usize, 32768, 131072] {
+                    let g = qh / kvh;
+                    let one = GpuPlanes::bytes_for(codec, b, kvh, n, d);
+                    // Rotate over copies while one fits in the 50 MB L2 several times over.
+                    let copies = (256_000_000 / one).clamp(1, 8);
+                    let planes: Vec<GpuPlanes> = (0..copies)
+                        .map(|c| gpu.random_planes(codec, b, kvh, n, d, 17 + c as u32))
+                        .collect::<Result<_>>()?;
+                    let s = &gpu.stream;
+                    let mut seed = 5u64;
+                    let q: Vec<f32> = (0..b * qh * d).map(|_| lcg(&mut seed) * 0.1).collect();
+                    let qd = s.clone_htod(&q)?;
+                    let sd = s.clone_htod(&vec![0i32; b])?;
+                    let ed = s.clone_htod(&vec![n as i32; b])?;
+                    let mut out = s.alloc_zeros::<f32>(b * qh * d)?;
+                    let mut scratch = gpu.scratch(&planes[0], g, n)?;
+                    let mut i = 0;
+                    let us = timed(gpu, 30, || {
+                        i += 1;
+                        gpu.decode(
+                            &planes[i % copies],
+                            g,
+                            &qd,
+                            &sd,
+                            &ed,
+                            &mut scratch,
+                            &mut out,
+                        )
+                    })?;
+                    let gbs = one as f64 / us / 1e3;
+                    println!(
+                        "{:<14} {:>12} {:>5} {:>7} {:>10.1} {:>8.0} {:>6.0}%",
+                        codec.name(),
+                        format!("({qh},{kvh},{d})"),
+                        b,
+                        n,
+                        us,
+                        gbs,
+                        100.0 * gbs / copy
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let want = |w: &str| args.is_empty() || args.iter().any(|a| a == w);
+    let gpu = DecodeRead::new(0)?;
+    if want("parity") {
+        parity(&gpu)?;
+    }
+    let copy = if want("copy") || want("time") {
+        copy_bandwidth(&gpu)?
+    } else {
+        0.0
+    };
+    if want("time") {
+        time_reads(&gpu, copy)?;
+    }
+    Ok(())
+}

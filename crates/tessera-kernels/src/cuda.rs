@@ -1,0 +1,298 @@
+//! Launching the decode read on a CUDA stream: NVRTC compilation per configuration, cached;
+//! device planes in the CPU cache's layout (uploaded as they are); the two launches.
+
+use crate::{plan_splits, DECODE_CU};
+use anyhow::{bail, Context, Result};
+use candle_core::cuda_backend::cudarc;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// How a plane's rows are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GpuCodec {
+    Bf16,
+    /// Affine codes of 4 or 8 bits with an f16 (scale, bias) per `group` elements.
+    Affine {
+        bits: u8,
+        group: usize,
+    },
+}
+
+impl GpuCodec {
+    fn define(&self) -> (u32, usize) {
+        match *self {
+            GpuCodec::Bf16 => (0, 64),
+            GpuCodec::Affine { bits, group } => (bits as u32, group),
+        }
+    }
+
+    /// u32 words of one stored row of `d` elements, and of its (scale, bias) pairs.
+    pub fn row_words(&self, d: usize) -> (usize, usize) {
+        match *self {
+            GpuCodec::Bf16 => (d / 2, 0),
+            GpuCodec::Affine { bits, group } => (d * bits as usize / 32, d / group),
+        }
+    }
+
+    pub fn name(&self) -> String {
+        match *self {
+            GpuCodec::Bf16 => "bf16".into(),
+            GpuCodec::Affine { bits, group } => format!("affine:{bits}:{group}"),
+        }
+    }
+}
+
+/// Keys and values of one layer on the device: `(batch, kv_heads, capacity, ·)` words.
+pub struct GpuPlanes {
+    pub codec: GpuCodec,
+    pub batch: usize,
+    pub kv_heads: usize,
+    pub capacity: usize,
+    pub d: usize,
+    pub k: CudaSlice<u32>,
+    pub v: CudaSlice<u32>,
+    /// (scale, bias) pairs as one u32 each; a one-word dummy for bf16.
+    pub kp: CudaSlice<u32>,
+    pub vp: CudaSlice<u32>,
+}
+
+impl GpuPlanes {
+    /// Bytes of keys and values (codes and group parameters) a read of `len` positions
+    /// per (row, KV head) moves.
+    pub fn bytes_for(
+        codec: GpuCodec,
+        batch: usize,
+        kv_heads: usize,
+        len: usize,
+        d: usize,
+    ) -> usize {
+        let (w, p) = codec.row_words(d);
+        2 * 4 * (w + p) * batch * kv_heads * len
+    }
+}
+
+type Kernels = (CudaFunction, CudaFunction);
+
+/// The decode read's kernels on one stream, compiled on first use per configuration.
+pub struct DecodeRead {
+    pub stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    compiled: Mutex<HashMap<(GpuCodec, usize, usize), Kernels>>,
+    fill: CudaFunction,
+    sms: usize,
+}
+
+fn compile(ctx: &Arc<CudaContext>, defines: &str) -> Result<Arc<cudarc::driver::CudaModule>> {
+    let src = format!("{defines}\n{DECODE_CU}");
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some("sm_90"),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts)
+        .map_err(|e| anyhow::anyhow!("NVRTC: {e:?}"))?;
+    Ok(ctx.load_module(ptx)?)
+}
+
+impl DecodeRead {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).context("opening the CUDA device")?;
+        let stream = ctx.default_stream();
+        let sms = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as usize;
+        let fill = compile(
+            &ctx,
+            "#define CODEC 0\n#define D 128\n#define G 1\n#define GROUP 64",
+        )?
+        .load_function("fill_random")?;
+        Ok(DecodeRead {
+            stream,
+            ctx,
+            compiled: Mutex::new(HashMap::new()),
+            fill,
+            sms,
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn kernels(&self, codec: GpuCodec, d: usize, g: usize) -> Result<Kernels> {
+        if ![64, 128, 256].contains(&d) || !(1..=8).contains(&g) {
+            bail!("decode read: head dim {d} / {g} query heads per KV head not supported");
+        }
+        let mut map = self.compiled.lock().unwrap();
+        if let Some(k) = map.get(&(codec, d, g)) {
+            return Ok(k.clone());
+        }
+        let (c, group) = codec.define();
+        let module = compile(
+            &self.ctx,
+            &format!("#define CODEC {c}\n#define D {d}\n#define G {g}\n#define GROUP {group}"),
+        )?;
+        let k = (
+            module.load_function("kv_decode_partial")?,
+            module.load_function("kv_decode_merge")?,
+        );
+        map.insert((codec, d, g), k.clone());
+        Ok(k)
+    }
+
+    /// Fills `p` with pseudo-random words: `kind` 0 codes, 1 bf16 pairs, 2 (scale, bias).
+    pub fn fill(&self, p: &mut CudaSlice<u32>, seed: u32, kind: i32) -> Result<()> {
+        let n = p.len() as i64;
+        let mut b = self.stream.launch_builder(&self.fill);
+        b.arg(p).arg(&n).arg(&seed).arg(&kind);
+        unsafe { b.launch(LaunchConfig::for_num_elems((n as u32).min(1 << 20)))? };
+        Ok(())
+    }
+
+    /// Random planes of `codec` for a benchmark (uploads nothing).
+    pub fn random_planes(
+        &self,
+        codec: GpuCodec,
+        batch: usize,
+        kv_heads: usize,
+        capacity: usize,
+        d: usize,
+        seed: u32,
+    ) -> Result<GpuPlanes> {
+        let rows = batch * kv_heads * capacity;
+        let (w, p) = codec.row_words(d);
+        let mut k = self.stream.alloc_zeros::<u32>(rows * w)?;
+        let mut v = self.stream.alloc_zeros::<u32>(rows * w)?;
+        let mut kp = self.stream.alloc_zeros::<u32>((rows * p).max(1))?;
+        let mut vp = self.stream.alloc_zeros::<u32>((rows * p).max(1))?;
+        let kind = if codec == GpuCodec::Bf16 { 1 } else { 0 };
+        self.fill(&mut k, seed, kind)?;
+        self.fill(&mut v, seed ^ 0x5555, kind)?;
+        self.fill(&mut kp, seed ^ 0xaaaa, 2)?;
+        self.fill(&mut vp, seed ^ 0x3333, 2)?;
+        Ok(GpuPlanes {
+            codec,
+            batch,
+            kv_heads,
+            capacity,
+            d,
+            k,
+            v,
+            kp,
+            vp,
+        })
+    }
+
+    /// Uploads planes stored on the host in the CPU cache's layout.
+    pub fn upload(
+        &self,
+        codec: GpuCodec,
+        (batch, kv_heads, capacity, d): (usize, usize, usize, usize),
+        k: &[u32],
+        v: &[u32],
+        kp: &[u32],
+        vp: &[u32],
+    ) -> Result<GpuPlanes> {
+        let dummy = [0u32];
+        let or_dummy = |x: &'_ [u32]| -> Vec<u32> {
+            if x.is_empty() {
+                dummy.to_vec()
+            } else {
+                x.to_vec()
+            }
+        };
+        Ok(GpuPlanes {
+            codec,
+            batch,
+            kv_heads,
+            capacity,
+            d,
+            k: self.stream.clone_htod(k)?,
+            v: self.stream.clone_htod(v)?,
+            kp: self.stream.clone_htod(&or_dummy(kp))?,
+            vp: self.stream.clone_htod(&or_dummy(vp))?,
+        })
+    }
+
+    /// Scratch for a read's partial states.
+    pub fn scratch(&self, planes: &GpuPlanes, g: usize, max_len: usize) -> Result<Scratch> {
+        let (splits, chunk) = plan_splits(
+            planes.batch,
+            planes.kv_heads,
+            max_len,
+            planes.d,
+            8 * self.sms,
+        );
+        let rows = planes.batch * planes.kv_heads * g * splits;
+        Ok(Scratch {
+            splits,
+            chunk,
+            ml: self.stream.alloc_zeros::<f32>(rows * 2)?,
+            acc: self.stream.alloc_zeros::<f32>(rows * planes.d)?,
+        })
+    }
+
+    /// `out (batch, kv_heads·g, d) = softmax(q·Kᵀ)·V` over positions `[starts[b], ends[b])`
+    /// of each row; `q (batch, kv_heads·g, d)` already carries the softmax scale.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        &self,
+        planes: &GpuPlanes,
+        g: usize,
+        q: &CudaSlice<f32>,
+        starts: &CudaSlice<i32>,
+        ends: &CudaSlice<i32>,
+        scratch: &mut Scratch,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (partial, merge) = self.kernels(planes.codec, planes.d, g)?;
+        let (kv_heads, capacity, chunk) = (
+            planes.kv_heads as i32,
+            planes.capacity as i32,
+            scratch.chunk as i32,
+        );
+        let mut b = self.stream.launch_builder(&partial);
+        b.arg(q)
+            .arg(&planes.k)
+            .arg(&planes.kp)
+            .arg(&planes.v)
+            .arg(&planes.vp)
+            .arg(starts)
+            .arg(ends)
+            .arg(&kv_heads)
+            .arg(&capacity)
+            .arg(&chunk)
+            .arg(&mut scratch.ml)
+            .arg(&mut scratch.acc);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                scratch.splits as u32,
+                planes.kv_heads as u32,
+                planes.batch as u32,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg)? };
+        let splits = scratch.splits as i32;
+        let mut b = self.stream.launch_builder(&merge);
+        b.arg(&scratch.ml).arg(&scratch.acc).arg(out).arg(&splits);
+        let cfg = LaunchConfig {
+            grid_dim: ((planes.kv_heads * g) as u32, planes.batch as u32, 1),
+            block_dim: (planes.d as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg)? };
+        Ok(())
+    }
+}
+
+/// Partial softmax states of one decode read.
+pub struct Scratch {
+    pub splits: usize,
+    pub chunk: usize,
+    ml: CudaSlice<f32>,
+    acc: CudaSlice<f32>,
+}
