@@ -74,7 +74,17 @@ impl GpuPlanes {
     }
 }
 
-type Kernels = (CudaFunction, CudaFunction);
+/// Which partial kernel a read runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// CUDA cores: 8 elements per lane, scores reduced over a row's lanes.
+    Simt,
+    /// Tensor cores (mma.m16n8k16) for scores and values: bf16 and 4-bit affine rows.
+    TensorCore,
+}
+
+/// (simt partial, tensor-core partial if the codec has one, merge).
+type Kernels = (CudaFunction, Option<CudaFunction>, CudaFunction);
 
 /// The decode read's kernels on one stream, compiled on first use per configuration.
 pub struct DecodeRead {
@@ -134,8 +144,21 @@ impl DecodeRead {
             &self.ctx,
             &format!("#define CODEC {c}\n#define D {d}\n#define G {g}\n#define GROUP {group}"),
         )?;
+        // The tensor-core kernel gives each lane d/4 elements of a key row and d/8 of a
+        // value row, which must lie in one affine group.
+        // For bf16 rows of 256 the tensor-core kernel's registers (two tiles of 16 rows
+        // in flight) cost more occupancy than it gains: measured slower there.
+        let tc = match codec {
+            GpuCodec::Bf16 if d <= 128 => Some(module.load_function("kv_decode_partial_tc")?),
+            GpuCodec::Bf16 => None,
+            GpuCodec::Affine { bits: 4, group } if d / 4 <= group => {
+                Some(module.load_function("kv_decode_partial_tc")?)
+            }
+            GpuCodec::Affine { .. } => None,
+        };
         let k = (
             module.load_function("kv_decode_partial")?,
+            tc,
             module.load_function("kv_decode_merge")?,
         );
         map.insert((codec, d, g), k.clone());
@@ -216,14 +239,42 @@ impl DecodeRead {
         })
     }
 
-    /// Scratch for a read's partial states.
+    /// The kernel [`Self::decode`] runs: tensor cores where the codec has them.
+    pub fn default_variant(&self, codec: GpuCodec, d: usize, g: usize) -> Result<Variant> {
+        Ok(if self.has(codec, d, g, Variant::TensorCore)? {
+            Variant::TensorCore
+        } else {
+            Variant::Simt
+        })
+    }
+
+    /// Scratch for a read's partial states, split for the default kernel.
     pub fn scratch(&self, planes: &GpuPlanes, g: usize, max_len: usize) -> Result<Scratch> {
+        let variant = self.default_variant(planes.codec, planes.d, g)?;
+        self.scratch_for(variant, planes, g, max_len)
+    }
+
+    /// Scratch split for `variant`: one wave of the blocks the driver says fit per SM.
+    pub fn scratch_for(
+        &self,
+        variant: Variant,
+        planes: &GpuPlanes,
+        g: usize,
+        max_len: usize,
+    ) -> Result<Scratch> {
+        let (simt, tc, _) = self.kernels(planes.codec, planes.d, g)?;
+        let f = match variant {
+            Variant::TensorCore => tc.context("no tensor-core kernel for this codec")?,
+            Variant::Simt => simt,
+        };
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)?
+            .max(1);
         let (splits, chunk) = plan_splits(
             planes.batch,
             planes.kv_heads,
             max_len,
-            planes.d,
-            8 * self.sms,
+            per_sm as usize * self.sms,
         );
         let rows = planes.batch * planes.kv_heads * g * splits;
         Ok(Scratch {
@@ -234,8 +285,14 @@ impl DecodeRead {
         })
     }
 
+    /// Whether `variant` exists for this codec.
+    pub fn has(&self, codec: GpuCodec, d: usize, g: usize, variant: Variant) -> Result<bool> {
+        Ok(variant == Variant::Simt || self.kernels(codec, d, g)?.1.is_some())
+    }
+
     /// `out (batch, kv_heads·g, d) = softmax(q·Kᵀ)·V` over positions `[starts[b], ends[b])`
-    /// of each row; `q (batch, kv_heads·g, d)` already carries the softmax scale.
+    /// of each row; `q (batch, kv_heads·g, d)` already carries the softmax scale. Runs the
+    /// tensor-core kernel where the codec has one.
     #[allow(clippy::too_many_arguments)]
     pub fn decode(
         &self,
@@ -247,7 +304,31 @@ impl DecodeRead {
         scratch: &mut Scratch,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let (partial, merge) = self.kernels(planes.codec, planes.d, g)?;
+        let variant = self.default_variant(planes.codec, planes.d, g)?;
+        self.decode_with(variant, planes, g, q, starts, ends, scratch, out)
+    }
+
+    /// [`Self::decode`] with a chosen kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_with(
+        &self,
+        variant: Variant,
+        planes: &GpuPlanes,
+        g: usize,
+        q: &CudaSlice<f32>,
+        starts: &CudaSlice<i32>,
+        ends: &CudaSlice<i32>,
+        scratch: &mut Scratch,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (simt, tc, merge) = self.kernels(planes.codec, planes.d, g)?;
+        let partial = match (variant, tc) {
+            (Variant::Simt, _) => simt,
+            (Variant::TensorCore, Some(tc)) => tc,
+            (Variant::TensorCore, None) => {
+                bail!("no tensor-core decode for {}", planes.codec.name())
+            }
+        };
         let (kv_heads, capacity, chunk) = (
             planes.kv_heads as i32,
             planes.capacity as i32,

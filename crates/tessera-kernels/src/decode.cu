@@ -246,6 +246,300 @@ kv_decode_partial(const float* __restrict__ q, const u32* __restrict__ kdata,
     }
 }
 
+#if CODEC == 0 || CODEC == 4
+// ---------------------------------------------------------------------------------------
+// Tensor-core version of kv_decode_partial (same grid, same partials) for bf16 rows and
+// 4-bit affine rows. Per warp, tiles of 16 stored rows; mma.m16n8k16 with f32 accumulate
+// (bf16 operands for bf16 rows; f16 for affine, whose codes become f16 exactly through
+// the 1024 exponent and are scaled with one f16x2 fma), the G query heads as the M rows
+// (padded to 16).
+// Scores S = Q·Kᵀ: B = Kᵀ, whose k index (the head dim) may be permuted as long as Q's
+// is permuted alike: lane (gid, tq) feeds, for k-step j, four of the elements
+// D/4·tq .. D/4·(tq+1) of key row gid (contiguous per lane: 16-byte loads, one affine
+// group). The C fragment of S (head gid, rows 2tq, 2tq+1 of each n8 block) is then the A
+// fragment of P for P·V as it stands. Values: B = V (k = 16 rows × n8 dims); output dim
+// n of block nd is element gid·D/8 + nd, so lane gid reads D/8 contiguous elements of
+// rows 2tq, 2tq+1, 2tq+8, 2tq+9 and pairs rows with one byte permute.
+#define DQ (D / 4)
+#define DV (D / 8)
+
+#if CODEC == 0
+#define MMA_TYPE "bf16"
+#define KWORDS (DQ / 2) // u32 words of a lane's part of a key row
+#define VWORDS (DV / 2)
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#else
+#define MMA_TYPE "f16"
+#define KWORDS (DQ / 8)
+#define VWORDS ((DV + 7) / 8)
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// Codes at bits 0..3 and 16..19 of x, times the pair's scales, plus its biases (f16x2).
+__device__ __forceinline__ u32 dequant2(u32 x, u32 scale2, u32 bias2) {
+    const u32 magic = 0x64006400u; // 1024.0 in both halves: 1024 + c is exact
+    u32 c = (x & 0x000F000Fu) | magic, r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(c) : "r"(c), "r"(magic));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(c), "r"(scale2), "r"(bias2));
+    return r;
+}
+#endif
+
+// c[0..1] += A·B for the m16n8k16 tile whose A rows 8..15 are zero (only c0, c1 kept).
+__device__ __forceinline__ void mma_top(float& c0, float& c1, u32 a0, u32 a2, u32 b0, u32 b1) {
+    float d2, d3; // rows 8..15 of the product: zero, unused
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+        : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
+          "f"(0.f));
+}
+
+// Lane-local element order of k-step j: the A fragment's (reg0, reg2) hold q at these
+// offsets into the lane's DQ elements, matching what key_frag feeds.
+__device__ __forceinline__ void k_offsets(int j, int o[4]) {
+#if CODEC == 0
+    o[0] = 4 * j; o[1] = 4 * j + 1; o[2] = 4 * j + 2; o[3] = 4 * j + 3;
+#else
+    // Word j/2 holds elements 8(j/2) .. +7; a shift by s pairs elements s/4 and s/4 + 4.
+    const int w = 8 * (j / 2), s = 2 * (j % 2);
+    o[0] = w + s; o[1] = w + s + 4; o[2] = w + s + 1; o[3] = w + s + 5;
+#endif
+}
+
+// What one lane reads of a tile of 16 rows starting at r0.
+struct Tile {
+    u32 kw[2][KWORDS];
+    u32 vw[4][VWORDS];
+#if CODEC == 4
+    u32 kp[2], vp[4];
+#endif
+};
+
+__device__ __forceinline__ void load_tile(Tile& t, const u32* __restrict__ kdata,
+                                          const u32* __restrict__ kparams,
+                                          const u32* __restrict__ vdata,
+                                          const u32* __restrict__ vparams, long block_rows,
+                                          int r0, int lo, int hi, int gid, int tq) {
+    // Loads first: key rows gid and 8 + gid (DQ elements each), value rows 2tq, 2tq+1,
+    // 2tq+8, 2tq+9 (DV elements each); rows past the split read row `lo` instead.
+#pragma unroll
+    for (int nb = 0; nb < 2; nb++) {
+        const int row = r0 + 8 * nb + gid;
+        const long at = block_rows + (row < hi ? row : lo);
+#if CODEC == 0
+        const u32* src = kdata + at * (D / 2) + KWORDS * tq;
+#else
+        const u32* src = kdata + at * (D / 8) + KWORDS * tq;
+        t.kp[nb] = __ldg(kparams + at * (D / GROUP) + DQ * tq / GROUP);
+#endif
+        if (KWORDS % 4 == 0) {
+#pragma unroll
+            for (int i = 0; i < KWORDS; i += 4) {
+                const uint4 w = __ldg((const uint4*)(src + i));
+                t.kw[nb][i] = w.x; t.kw[nb][(i + 1) % KWORDS] = w.y;
+                t.kw[nb][(i + 2) % KWORDS] = w.z; t.kw[nb][(i + 3) % KWORDS] = w.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < KWORDS; i++) t.kw[nb][i] = __ldg(src + i);
+        }
+    }
+    const int vrow[4] = {r0 + 2 * tq, r0 + 2 * tq + 1, r0 + 2 * tq + 8, r0 + 2 * tq + 9};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const long at = block_rows + (vrow[i] < hi ? vrow[i] : lo);
+#if CODEC == 0
+        const u32* src = vdata + at * (D / 2) + VWORDS * gid;
+#else
+        const u32* src = vdata + at * (D / 8) + DV * gid / 8;
+        t.vp[i] = __ldg(vparams + at * (D / GROUP) + DV * gid / GROUP);
+#endif
+        if (VWORDS % 4 == 0) {
+#pragma unroll
+            for (int k = 0; k < VWORDS; k += 4) {
+                const uint4 w = __ldg((const uint4*)(src + k));
+                t.vw[i][k] = w.x; t.vw[i][(k + 1) % VWORDS] = w.y;
+                t.vw[i][(k + 2) % VWORDS] = w.z; t.vw[i][(k + 3) % VWORDS] = w.w;
+            }
+        } else if (VWORDS == 2) {
+            const uint2 w = __ldg((const uint2*)src);
+            t.vw[i][0] = w.x; t.vw[i][1 % VWORDS] = w.y;
+        } else {
+#pragma unroll
+            for (int k = 0; k < VWORDS; k++) t.vw[i][k] = __ldg(src + k);
+        }
+    }
+}
+
+// The host plans one wave of as many blocks as the driver says fit per SM.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
+                     const u32* __restrict__ kparams, const u32* __restrict__ vdata,
+                     const u32* __restrict__ vparams, const int* __restrict__ starts,
+                     const int* __restrict__ ends, int kv_heads, int capacity, int chunk,
+                     float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int gid = lane >> 2, tq = lane & 3;
+    const long block_rows = ((long)b * kv_heads + h) * capacity;
+    const int lo = starts[b] + split * chunk;
+    const int hi = min(ends[b], lo + chunk);
+
+    // Q as A fragments (rows = heads), log2(e) folded in, heads past G zero.
+    u32 qa[D / 16][2];
+    {
+        const bool real = gid < G;
+        const float* qg = q + (((long)b * kv_heads + h) * G + (real ? gid : 0)) * D + DQ * tq;
+#pragma unroll
+        for (int j = 0; j < D / 16; j++) {
+            int o[4];
+            k_offsets(j, o);
+            float x[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) x[i] = real ? qg[o[i]] * LOG2E : 0.f;
+            qa[j][0] = pack2(x[0], x[1]);
+            qa[j][1] = pack2(x[2], x[3]);
+        }
+    }
+    float m = NEG_BIG, l = 0.f;
+    float acc[DV][2];
+#pragma unroll
+    for (int n = 0; n < DV; n++) acc[n][0] = acc[n][1] = 0.f;
+
+    // Software pipelined: the next tile's loads are in flight while this one computes.
+    Tile cur, next;
+    int r0 = lo + warp * 16;
+    if (r0 < hi) load_tile(cur, kdata, kparams, vdata, vparams, block_rows, r0, lo, hi, gid, tq);
+    for (; r0 < hi; r0 += WARPS * 16) {
+        if (r0 + WARPS * 16 < hi)
+            load_tile(next, kdata, kparams, vdata, vparams, block_rows, r0 + WARPS * 16, lo, hi,
+                      gid, tq);
+        const u32(&kw)[2][KWORDS] = cur.kw;
+        const u32(&vw)[4][VWORDS] = cur.vw;
+#if CODEC == 4
+        const u32(&kp)[2] = cur.kp;
+        const u32(&vp)[4] = cur.vp;
+#endif
+        // Scores: s[nb][0..1] for rows r0 + 8nb + 2tq, + 1.
+        float s[2][2];
+#pragma unroll
+        for (int nb = 0; nb < 2; nb++) {
+            s[nb][0] = s[nb][1] = 0.f;
+#if CODEC == 4
+            const u32 scale2 = __byte_perm(kp[nb], kp[nb], 0x1010);
+            const u32 bias2 = __byte_perm(kp[nb], kp[nb], 0x3232);
+#endif
+#pragma unroll
+            for (int j = 0; j < D / 16; j++) {
+#if CODEC == 0
+                const u32 b0 = kw[nb][2 * j], b1 = kw[nb][2 * j + 1];
+#else
+                const u32 w = kw[nb][j / 2], sh = 8 * (j % 2);
+                const u32 b0 = dequant2(w >> sh, scale2, bias2);
+                const u32 b1 = dequant2(w >> (sh + 4), scale2, bias2);
+#endif
+                mma_top(s[nb][0], s[nb][1], qa[j][0], qa[j][1], b0, b1);
+            }
+        }
+        // Online softmax over the tile (the 4 lanes of a group hold one head's 16 rows).
+        float mx = NEG_BIG;
+#pragma unroll
+        for (int nb = 0; nb < 2; nb++) {
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                // -inf for rows past the split (NVRTC has no math.h for INFINITY).
+                if (r0 + 8 * nb + 2 * tq + c >= hi) s[nb][c] = __int_as_float(0xff800000);
+                mx = fmaxf(mx, s[nb][c]);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m, mx), corr = fast_exp2(m - mn);
+        m = mn;
+        float p[2][2];
+#pragma unroll
+        for (int nb = 0; nb < 2; nb++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) p[nb][c] = fast_exp2(s[nb][c] - mn);
+        l = l * corr + p[0][0] + p[0][1] + p[1][0] + p[1][1];
+        const u32 pa0 = pack2(p[0][0], p[0][1]), pa2 = pack2(p[1][0], p[1][1]);
+        // Once the running max settles, tiles leave it unchanged: skip the rescale then.
+        const bool rescale = __any_sync(0xffffffffu, corr != 1.f);
+#if CODEC == 4
+        const u32 vs01 = __byte_perm(vp[0], vp[1], 0x5410), vb01 = __byte_perm(vp[0], vp[1], 0x7632);
+        const u32 vs23 = __byte_perm(vp[2], vp[3], 0x5410), vb23 = __byte_perm(vp[2], vp[3], 0x7632);
+#endif
+        // Values: block nd's column gid is element gid·DV + nd of each row.
+#pragma unroll
+        for (int nd = 0; nd < DV; nd++) {
+#if CODEC == 0
+            const u32 sel = (nd & 1) ? 0x7632u : 0x5410u;
+            const int w = nd / 2;
+            const u32 b0 = __byte_perm(vw[0][w], vw[1][w], sel);
+            const u32 b1 = __byte_perm(vw[2][w], vw[3][w], sel);
+#else
+            // Byte nd%8/2 of each row's word into bytes 0 and 2, then the nibble down.
+            const int w = nd / 8, byte = (nd % 8) / 2, sh = 4 * (nd % 2);
+            const u32 x01 = __byte_perm(vw[0][w], vw[1][w], byte | ((4 + byte) << 8));
+            const u32 x23 = __byte_perm(vw[2][w], vw[3][w], byte | ((4 + byte) << 8));
+            const u32 b0 = dequant2(x01 >> sh, vs01, vb01);
+            const u32 b1 = dequant2(x23 >> sh, vs23, vb23);
+#endif
+            if (rescale) {
+                acc[nd][0] *= corr;
+                acc[nd][1] *= corr;
+            }
+            mma_top(acc[nd][0], acc[nd][1], pa0, pa2, b0, b1);
+        }
+        cur = next;
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+    // acc[nd][c] is head gid's output element (2tq + c)·DV + nd. Merge the warps.
+    __shared__ float sm_ml[WARPS][8][2];
+    __shared__ float sm_acc[WARPS][8][D];
+#pragma unroll
+    for (int nd = 0; nd < DV; nd++) {
+        sm_acc[warp][gid][(2 * tq) * DV + nd] = acc[nd][0];
+        sm_acc[warp][gid][(2 * tq + 1) * DV + nd] = acc[nd][1];
+    }
+    if (tq == 0) {
+        sm_ml[warp][gid][0] = m;
+        sm_ml[warp][gid][1] = l;
+    }
+    __syncthreads();
+    const int qh = kv_heads * G;
+    for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
+        const int g = idx / D, e = idx % D;
+        float mx2 = NEG_BIG;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) mx2 = fmaxf(mx2, sm_ml[w][g][0]);
+        float sum = 0.f, a = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float c = fast_exp2(sm_ml[w][g][0] - mx2);
+            sum += sm_ml[w][g][1] * c;
+            a += sm_acc[w][g][e] * c;
+        }
+        const long at = ((long)b * qh + h * G + g) * splits + split;
+        part_acc[at * D + e] = a;
+        if (e == 0) {
+            part_ml[at * 2] = mx2;
+            part_ml[at * 2 + 1] = sum;
+        }
+    }
+}
+#endif
+
 // grid (query heads, batch), D threads: merges the splits of one output row.
 extern "C" __global__ void kv_decode_merge(const float* __restrict__ part_ml,
                                            const float* __restrict__ part_acc,
