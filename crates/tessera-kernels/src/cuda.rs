@@ -362,7 +362,7 @@ impl DecodeRead {
         b.arg(&scratch.ml).arg(&scratch.acc).arg(out).arg(&splits);
         let cfg = LaunchConfig {
             grid_dim: ((planes.kv_heads * g) as u32, planes.batch as u32, 1),
-            block_dim: (planes.d as u32, 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         unsafe { b.launch(cfg)? };
