@@ -79,7 +79,7 @@ impl GpuPlanes {
 pub enum Variant {
     /// CUDA cores: 8 elements per lane, scores reduced over a row's lanes.
     Simt,
-    /// Tensor cores (mma.m16n8k16) for scores and values: bf16 and 4-bit affine rows.
+    /// Tensor cores (mma.m16n8k16) for scores and values: bf16 and 4/8-bit affine rows.
     TensorCore,
 }
 
@@ -152,6 +152,10 @@ impl DecodeRead {
             GpuCodec::Bf16 if d <= 128 => Some(module.load_function("kv_decode_partial_tc")?),
             GpuCodec::Bf16 => None,
             GpuCodec::Affine { bits: 4, group } if d / 4 <= group => {
+                Some(module.load_function("kv_decode_partial_tc")?)
+            }
+            // 8-bit rows of 256 spill (a lane holds 64 key bytes per row, two tiles deep).
+            GpuCodec::Affine { bits: 8, group } if d / 4 <= group && d <= 128 => {
                 Some(module.load_function("kv_decode_partial_tc")?)
             }
             GpuCodec::Affine { .. } => None,

@@ -246,10 +246,10 @@ kv_decode_partial(const float* __restrict__ q, const u32* __restrict__ kdata,
     }
 }
 
-#if CODEC == 0 || CODEC == 4
+#if CODEC == 0 || CODEC == 4 || CODEC == 8
 // ---------------------------------------------------------------------------------------
 // Tensor-core version of kv_decode_partial (same grid, same partials) for bf16 rows and
-// 4-bit affine rows. Per warp, tiles of 16 stored rows; mma.m16n8k16 with f32 accumulate
+// 4- and 8-bit affine rows. Per warp, tiles of 16 stored rows; mma.m16n8k16 with f32 accumulate
 // (bf16 operands for bf16 rows; f16 for affine, whose codes become f16 exactly through
 // the 1024 exponent and are scaled with one f16x2 fma), the G query heads as the M rows
 // (padded to 16).
@@ -274,20 +274,24 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 }
 #else
 #define MMA_TYPE "f16"
-#define KWORDS (DQ / 8)
-#define VWORDS ((DV + 7) / 8)
+#define KWORDS (DQ * CODEC / 32)
+#define VWORDS ((DV * CODEC + 31) / 32)
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-// Codes at bits 0..3 and 16..19 of x, times the pair's scales, plus its biases (f16x2).
-__device__ __forceinline__ u32 dequant2(u32 x, u32 scale2, u32 bias2) {
-    const u32 magic = 0x64006400u; // 1024.0 in both halves: 1024 + c is exact
-    u32 c = (x & 0x000F000Fu) | magic, r;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(c) : "r"(c), "r"(magic));
+#define MAGIC 0x64006400u // 1024.0 in both f16 halves: 1024 + c (c < 1024) is exact
+// `c` holds 1024 + code in each f16 half: the codes times the pair's scales plus biases.
+__device__ __forceinline__ u32 scale_pair(u32 c, u32 scale2, u32 bias2) {
+    u32 r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(c) : "r"(c), "r"(MAGIC));
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(c), "r"(scale2), "r"(bias2));
     return r;
+}
+// The codes at bits 0.. and 16.. of x (one per f16 half), as 1024 + code.
+__device__ __forceinline__ u32 low_codes(u32 x) {
+    return (x & (CODEC == 4 ? 0x000F000Fu : 0x00FF00FFu)) | MAGIC;
 }
 #endif
 
@@ -305,7 +309,8 @@ __device__ __forceinline__ void mma_top(float& c0, float& c1, u32 a0, u32 a2, u3
 // Lane-local element order of k-step j: the A fragment's (reg0, reg2) hold q at these
 // offsets into the lane's DQ elements, matching what key_frag feeds.
 __device__ __forceinline__ void k_offsets(int j, int o[4]) {
-#if CODEC == 0
+#if CODEC != 4
+    // bf16: words 2j, 2j+1 hold elements 4j .. 4j+3; 8-bit: word j does.
     o[0] = 4 * j; o[1] = 4 * j + 1; o[2] = 4 * j + 2; o[3] = 4 * j + 3;
 #else
     // Word j/2 holds elements 8(j/2) .. +7; a shift by s pairs elements s/4 and s/4 + 4.
@@ -318,7 +323,7 @@ __device__ __forceinline__ void k_offsets(int j, int o[4]) {
 struct Tile {
     u32 kw[2][KWORDS];
     u32 vw[4][VWORDS];
-#if CODEC == 4
+#if CODEC != 0
     u32 kp[2], vp[4];
 #endif
 };
@@ -337,7 +342,7 @@ __device__ __forceinline__ void load_tile(Tile& t, const u32* __restrict__ kdata
 #if CODEC == 0
         const u32* src = kdata + at * (D / 2) + KWORDS * tq;
 #else
-        const u32* src = kdata + at * (D / 8) + KWORDS * tq;
+        const u32* src = kdata + at * (D * CODEC / 32) + KWORDS * tq;
         t.kp[nb] = __ldg(kparams + at * (D / GROUP) + DQ * tq / GROUP);
 #endif
         if (KWORDS % 4 == 0) {
@@ -359,7 +364,7 @@ __device__ __forceinline__ void load_tile(Tile& t, const u32* __restrict__ kdata
 #if CODEC == 0
         const u32* src = vdata + at * (D / 2) + VWORDS * gid;
 #else
-        const u32* src = vdata + at * (D / 8) + DV * gid / 8;
+        const u32* src = vdata + at * (D * CODEC / 32) + VWORDS * gid;
         t.vp[i] = __ldg(vparams + at * (D / GROUP) + DV * gid / GROUP);
 #endif
         if (VWORDS % 4 == 0) {
@@ -425,7 +430,7 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
                       gid, tq);
         const u32(&kw)[2][KWORDS] = cur.kw;
         const u32(&vw)[4][VWORDS] = cur.vw;
-#if CODEC == 4
+#if CODEC != 0
         const u32(&kp)[2] = cur.kp;
         const u32(&vp)[4] = cur.vp;
 #endif
@@ -434,7 +439,7 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
 #pragma unroll
         for (int nb = 0; nb < 2; nb++) {
             s[nb][0] = s[nb][1] = 0.f;
-#if CODEC == 4
+#if CODEC != 0
             const u32 scale2 = __byte_perm(kp[nb], kp[nb], 0x1010);
             const u32 bias2 = __byte_perm(kp[nb], kp[nb], 0x3232);
 #endif
@@ -442,10 +447,15 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
             for (int j = 0; j < D / 16; j++) {
 #if CODEC == 0
                 const u32 b0 = kw[nb][2 * j], b1 = kw[nb][2 * j + 1];
-#else
+#elif CODEC == 4
                 const u32 w = kw[nb][j / 2], sh = 8 * (j % 2);
-                const u32 b0 = dequant2(w >> sh, scale2, bias2);
-                const u32 b1 = dequant2(w >> (sh + 4), scale2, bias2);
+                const u32 b0 = scale_pair(low_codes(w >> sh), scale2, bias2);
+                const u32 b1 = scale_pair(low_codes(w >> (sh + 4)), scale2, bias2);
+#else
+                // Bytes 0,1 and 2,3 of word j, each under a 0x64 high byte: 1024 + code.
+                const u32 w = kw[nb][j];
+                const u32 b0 = scale_pair(__byte_perm(w, 0x64646464u, 0x4140), scale2, bias2);
+                const u32 b1 = scale_pair(__byte_perm(w, 0x64646464u, 0x4342), scale2, bias2);
 #endif
                 mma_top(s[nb][0], s[nb][1], qa[j][0], qa[j][1], b0, b1);
             }
@@ -474,7 +484,7 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
         const u32 pa0 = pack2(p[0][0], p[0][1]), pa2 = pack2(p[1][0], p[1][1]);
         // Once the running max settles, tiles leave it unchanged: skip the rescale then.
         const bool rescale = __any_sync(0xffffffffu, corr != 1.f);
-#if CODEC == 4
+#if CODEC != 0
         const u32 vs01 = __byte_perm(vp[0], vp[1], 0x5410), vb01 = __byte_perm(vp[0], vp[1], 0x7632);
         const u32 vs23 = __byte_perm(vp[2], vp[3], 0x5410), vb23 = __byte_perm(vp[2], vp[3], 0x7632);
 #endif
@@ -486,13 +496,20 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
             const int w = nd / 2;
             const u32 b0 = __byte_perm(vw[0][w], vw[1][w], sel);
             const u32 b1 = __byte_perm(vw[2][w], vw[3][w], sel);
-#else
+#elif CODEC == 4
             // Byte nd%8/2 of each row's word into bytes 0 and 2, then the nibble down.
             const int w = nd / 8, byte = (nd % 8) / 2, sh = 4 * (nd % 2);
             const u32 x01 = __byte_perm(vw[0][w], vw[1][w], byte | ((4 + byte) << 8));
             const u32 x23 = __byte_perm(vw[2][w], vw[3][w], byte | ((4 + byte) << 8));
-            const u32 b0 = dequant2(x01 >> sh, vs01, vb01);
-            const u32 b1 = dequant2(x23 >> sh, vs23, vb23);
+            const u32 b0 = scale_pair(low_codes(x01 >> sh), vs01, vb01);
+            const u32 b1 = scale_pair(low_codes(x23 >> sh), vs23, vb23);
+#else
+            // Byte nd%4 of each row's word into bytes 0 and 2.
+            const int w = nd / 4, byte = nd % 4;
+            const u32 x01 = __byte_perm(vw[0][w], vw[1][w], byte | ((4 + byte) << 8));
+            const u32 x23 = __byte_perm(vw[2][w], vw[3][w], byte | ((4 + byte) << 8));
+            const u32 b0 = scale_pair(low_codes(x01), vs01, vb01);
+            const u32 b1 = scale_pair(low_codes(x23), vs23, vb23);
 #endif
             if (rescale) {
                 acc[nd][0] *= corr;
