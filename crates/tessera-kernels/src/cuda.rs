@@ -140,9 +140,13 @@ impl DecodeRead {
             return Ok(k.clone());
         }
         let (c, group) = codec.define();
+        // TESSERA_KERNEL_DEFINES: extra #define lines, for experiments on the device.
+        let extra = std::env::var("TESSERA_KERNEL_DEFINES").unwrap_or_default();
         let module = compile(
             &self.ctx,
-            &format!("#define CODEC {c}\n#define D {d}\n#define G {g}\n#define GROUP {group}"),
+            &format!(
+                "#define CODEC {c}\n#define D {d}\n#define G {g}\n#define GROUP {group}\n{extra}"
+            ),
         )?;
         // The tensor-core kernel gives each lane d/4 elements of a key row and d/8 of a
         // value row, which must lie in one affine group.

@@ -421,11 +421,17 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
     for (int n = 0; n < DV; n++) acc[n][0] = acc[n][1] = 0.f;
 
     // Software pipelined: the next tile's loads are in flight while this one computes.
+#ifndef TC_PREFETCH
+#define TC_PREFETCH 1
+#endif
     Tile cur, next;
     int r0 = lo + warp * 16;
-    if (r0 < hi) load_tile(cur, kdata, kparams, vdata, vparams, block_rows, r0, lo, hi, gid, tq);
+    if (TC_PREFETCH && r0 < hi)
+        load_tile(cur, kdata, kparams, vdata, vparams, block_rows, r0, lo, hi, gid, tq);
     for (; r0 < hi; r0 += WARPS * 16) {
-        if (r0 + WARPS * 16 < hi)
+        if (!TC_PREFETCH)
+            load_tile(cur, kdata, kparams, vdata, vparams, block_rows, r0, lo, hi, gid, tq);
+        else if (r0 + WARPS * 16 < hi)
             load_tile(next, kdata, kparams, vdata, vparams, block_rows, r0 + WARPS * 16, lo, hi,
                       gid, tq);
         const u32(&kw)[2][KWORDS] = cur.kw;
@@ -517,7 +523,7 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
             }
             mma_top(acc[nd][0], acc[nd][1], pa0, pa2, b0, b1);
         }
-        cur = next;
+        if (TC_PREFETCH) cur = next;
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
