@@ -103,6 +103,37 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float a[8], floa
     m = mn;
 }
 
+// After a __syncthreads: folds the block's WARPS softmax states per query head
+// (ml[w][g] = running max and sum, acc[w][g][e] unnormalised output; H ≥ G heads held)
+// and writes this split's partials.
+template <int H>
+__device__ __forceinline__ void store_partials(const float (&ml)[WARPS][H][2],
+                                               const float (&acc)[WARPS][H][D], int b, int h,
+                                               int kv_heads, int split, int splits,
+                                               float* __restrict__ part_ml,
+                                               float* __restrict__ part_acc) {
+    const int qh = kv_heads * G;
+    for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
+        const int g = idx / D, e = idx % D;
+        float mx = NEG_BIG;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, ml[w][g][0]);
+        float sum = 0.f, a = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float c = fast_exp2(ml[w][g][0] - mx);
+            sum += ml[w][g][1] * c;
+            a += acc[w][g][e] * c;
+        }
+        const long at = ((long)b * qh + h * G + g) * splits + split;
+        part_acc[at * D + e] = a;
+        if (e == 0) {
+            part_ml[at * 2] = mx;
+            part_ml[at * 2 + 1] = sum;
+        }
+    }
+}
+
 // grid (splits, kv_heads, batch), 128 threads. Row b attends its stored positions
 // [starts[b], ends[b]); split s takes `chunk` of them. Queries are pre-scaled (softmax
 // scale folded in), laid out (batch, kv_heads * G, D). Writes per (b, query head, split)
@@ -224,26 +255,7 @@ kv_decode_partial(const float* __restrict__ q, const u32* __restrict__ kdata,
         }
     }
     __syncthreads();
-    const int qh = kv_heads * G;
-    for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
-        const int g = idx / D, e = idx % D;
-        float mx = NEG_BIG;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_ml[w][g][0]);
-        float sum = 0.f, a = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) {
-            const float c = fast_exp2(sm_ml[w][g][0] - mx);
-            sum += sm_ml[w][g][1] * c;
-            a += sm_acc[w][g][e] * c;
-        }
-        const long at = ((long)b * qh + h * G + g) * splits + split;
-        part_acc[at * D + e] = a;
-        if (e == 0) {
-            part_ml[at * 2] = mx;
-            part_ml[at * 2 + 1] = sum;
-        }
-    }
+    store_partials(sm_ml, sm_acc, b, h, kv_heads, split, splits, part_ml, part_acc);
 }
 
 #if CODEC == 0 || CODEC == 4 || CODEC == 8
@@ -541,26 +553,7 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
         sm_ml[warp][gid][1] = l;
     }
     __syncthreads();
-    const int qh = kv_heads * G;
-    for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
-        const int g = idx / D, e = idx % D;
-        float mx2 = NEG_BIG;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) mx2 = fmaxf(mx2, sm_ml[w][g][0]);
-        float sum = 0.f, a = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) {
-            const float c = fast_exp2(sm_ml[w][g][0] - mx2);
-            sum += sm_ml[w][g][1] * c;
-            a += sm_acc[w][g][e] * c;
-        }
-        const long at = ((long)b * qh + h * G + g) * splits + split;
-        part_acc[at * D + e] = a;
-        if (e == 0) {
-            part_ml[at * 2] = mx2;
-            part_ml[at * 2 + 1] = sum;
-        }
-    }
+    store_partials(sm_ml, sm_acc, b, h, kv_heads, split, splits, part_ml, part_acc);
 }
 #endif
 
