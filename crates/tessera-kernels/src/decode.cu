@@ -331,6 +331,30 @@ __device__ __forceinline__ void k_offsets(int j, int o[4]) {
 #endif
 }
 
+// u32 words of a stored row: bf16 pairs, or affine codes of CODEC bits.
+#define ROW_WORDS (CODEC == 0 ? D / 2 : D * CODEC / 32)
+
+// N consecutive words from `src` (aligned to the widest load N allows) into registers.
+template <int N>
+__device__ __forceinline__ void load_words(u32 (&dst)[N], const u32* __restrict__ src) {
+    if (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) {
+            const uint4 w = __ldg((const uint4*)(src + i));
+            dst[i] = w.x; dst[(i + 1) % N] = w.y; dst[(i + 2) % N] = w.z; dst[(i + 3) % N] = w.w;
+        }
+    } else if (N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 2) {
+            const uint2 w = __ldg((const uint2*)(src + i));
+            dst[i] = w.x; dst[(i + 1) % N] = w.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i++) dst[i] = __ldg(src + i);
+    }
+}
+
 // What one lane reads of a tile of 16 rows starting at r0.
 struct Tile {
     u32 kw[2][KWORDS];
@@ -351,48 +375,19 @@ __device__ __forceinline__ void load_tile(Tile& t, const u32* __restrict__ kdata
     for (int nb = 0; nb < 2; nb++) {
         const int row = r0 + 8 * nb + gid;
         const long at = block_rows + (row < hi ? row : lo);
-#if CODEC == 0
-        const u32* src = kdata + at * (D / 2) + KWORDS * tq;
-#else
-        const u32* src = kdata + at * (D * CODEC / 32) + KWORDS * tq;
+        load_words(t.kw[nb], kdata + at * ROW_WORDS + KWORDS * tq);
+#if CODEC != 0
         t.kp[nb] = __ldg(kparams + at * (D / GROUP) + DQ * tq / GROUP);
 #endif
-        if (KWORDS % 4 == 0) {
-#pragma unroll
-            for (int i = 0; i < KWORDS; i += 4) {
-                const uint4 w = __ldg((const uint4*)(src + i));
-                t.kw[nb][i] = w.x; t.kw[nb][(i + 1) % KWORDS] = w.y;
-                t.kw[nb][(i + 2) % KWORDS] = w.z; t.kw[nb][(i + 3) % KWORDS] = w.w;
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < KWORDS; i++) t.kw[nb][i] = __ldg(src + i);
-        }
     }
     const int vrow[4] = {r0 + 2 * tq, r0 + 2 * tq + 1, r0 + 2 * tq + 8, r0 + 2 * tq + 9};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const long at = block_rows + (vrow[i] < hi ? vrow[i] : lo);
-#if CODEC == 0
-        const u32* src = vdata + at * (D / 2) + VWORDS * gid;
-#else
-        const u32* src = vdata + at * (D * CODEC / 32) + VWORDS * gid;
+        load_words(t.vw[i], vdata + at * ROW_WORDS + VWORDS * gid);
+#if CODEC != 0
         t.vp[i] = __ldg(vparams + at * (D / GROUP) + DV * gid / GROUP);
 #endif
-        if (VWORDS % 4 == 0) {
-#pragma unroll
-            for (int k = 0; k < VWORDS; k += 4) {
-                const uint4 w = __ldg((const uint4*)(src + k));
-                t.vw[i][k] = w.x; t.vw[i][(k + 1) % VWORDS] = w.y;
-                t.vw[i][(k + 2) % VWORDS] = w.z; t.vw[i][(k + 3) % VWORDS] = w.w;
-            }
-        } else if (VWORDS == 2) {
-            const uint2 w = __ldg((const uint2*)src);
-            t.vw[i][0] = w.x; t.vw[i][1 % VWORDS] = w.y;
-        } else {
-#pragma unroll
-            for (int k = 0; k < VWORDS; k++) t.vw[i][k] = __ldg(src + k);
-        }
     }
 }
 
