@@ -3,9 +3,10 @@
 use crate::commands::{load, scheme_of};
 use crate::{KvArgs, ModelArgs};
 use anyhow::{bail, Result};
+use candle_core::Tensor;
 use std::time::Instant;
-use tessera_engine::{argmax, Session};
-use tessera_models::LogitsMode;
+use tessera_kv::{KvCache, KvScheme};
+use tessera_models::{LogitsMode, Model};
 
 /// Deterministic token ids in the ordinary-text range of the vocabulary.
 fn synthetic_tokens(n: usize, vocab: usize, bos: u32) -> Vec<u32> {
@@ -29,22 +30,75 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-pub fn bench(
-    margs: &ModelArgs,
-    prompt_tokens: usize,
-    gen_tokens: usize,
-    depth: usize,
-    repeat: usize,
-    kv: &KvArgs,
-    json: bool,
-) -> Result<()> {
+/// What `tessera bench` measures.
+pub struct Shape {
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub depth: usize,
+    pub repeat: usize,
+    pub batch: usize,
+}
+
+/// `batch` rows of one model run: each row its own token stream, equal lengths, no
+/// padding, fed through the model as one batch.
+struct Rows<'m> {
+    model: &'m Model,
+    cache: KvCache,
+}
+
+impl<'m> Rows<'m> {
+    fn new(model: &'m Model, scheme: &KvScheme, batch: usize) -> Result<Self> {
+        Ok(Rows {
+            model,
+            cache: KvCache::new(&model.layer_specs(), scheme, vec![0; batch])?,
+        })
+    }
+
+    /// Feeds `tokens` to every row in prefill-size chunks; returns each row's greedy next
+    /// token (reading the logits back also waits for the device).
+    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<u32>> {
+        let batch = self.cache.batch();
+        let mut logits = None;
+        for chunk in tokens.chunks(tessera_engine::DEFAULT_PREFILL_CHUNK) {
+            let ids: Vec<u32> = (0..batch).flat_map(|_| chunk.iter().copied()).collect();
+            let ids = Tensor::from_vec(ids, (batch, chunk.len()), self.model.device())?;
+            logits = Some(
+                self.model
+                    .forward(&ids, &mut self.cache, LogitsMode::Last)?,
+            );
+        }
+        let logits = logits.expect("at least one chunk").squeeze(1)?;
+        Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1()?)
+    }
+
+    /// One decode step: row r gets `next[r]`.
+    fn step(&mut self, next: &[u32]) -> Result<Vec<u32>> {
+        let ids = Tensor::from_slice(next, (next.len(), 1), self.model.device())?;
+        let logits = self
+            .model
+            .forward(&ids, &mut self.cache, LogitsMode::Last)?;
+        Ok(logits
+            .squeeze(1)?
+            .argmax(candle_core::D::Minus1)?
+            .to_vec1()?)
+    }
+}
+
+pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result<()> {
+    let Shape {
+        prompt_tokens,
+        gen_tokens,
+        depth,
+        repeat,
+        batch,
+    } = shape;
     let scheme = scheme_of(kv)?;
     let label = kv
         .kv_config
         .as_ref()
         .map_or(kv.kv.clone(), |p| p.display().to_string());
-    if prompt_tokens == 0 || gen_tokens == 0 || repeat == 0 {
-        bail!("--prompt-tokens, --gen-tokens and --repeat must be at least 1");
+    if prompt_tokens == 0 || gen_tokens == 0 || repeat == 0 || batch == 0 {
+        bail!("--prompt-tokens, --gen-tokens, --repeat and --batch must be at least 1");
     }
     let (model, tok) = load(margs)?;
     if depth + gen_tokens > model.context_length() || prompt_tokens > model.context_length() {
@@ -59,48 +113,50 @@ pub fn bench(
     let prompt = synthetic_tokens(prompt_tokens, model.vocab_size(), bos);
     let mut rates = Vec::with_capacity(repeat);
     for run in 0..=repeat {
-        let mut session = Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?;
+        let mut rows = Rows::new(&model, &scheme, batch)?;
         let t = Instant::now();
-        session.feed(&prompt)?;
+        rows.feed(&prompt)?;
         if run > 0 {
-            rates.push(prompt_tokens as f64 / t.elapsed().as_secs_f64());
+            rates.push((batch * prompt_tokens) as f64 / t.elapsed().as_secs_f64());
         }
     }
     let prefill_tps = rates.iter().sum::<f64>() / rates.len() as f64;
     let prefill_sd =
         (rates.iter().map(|r| (r - prefill_tps).powi(2)).sum::<f64>() / rates.len() as f64).sqrt();
     // Decode: `depth` tokens of context first (not timed), then greedy steps.
-    let mut session = Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?;
+    let mut rows = Rows::new(&model, &scheme, batch)?;
     let context = synthetic_tokens(depth.max(1), model.vocab_size(), bos);
-    let mut logits = session.feed(&context)?;
+    let mut next = rows.feed(&context)?;
     // One untimed step warms the decode path.
-    logits = session.forward(&[argmax(&logits)], LogitsMode::Last)?;
+    next = rows.step(&next)?;
     let t = Instant::now();
     for _ in 0..gen_tokens {
-        let next = argmax(&logits);
-        logits = session.forward(&[next], LogitsMode::Last)?;
+        next = rows.step(&next)?;
     }
-    let decode_tps = gen_tokens as f64 / t.elapsed().as_secs_f64();
-    let cache = session.cache();
+    let decode_tps = (batch * gen_tokens) as f64 / t.elapsed().as_secs_f64();
+    let cache = &rows.cache;
     let rss = peak_rss_bytes().unwrap_or(0);
     if json {
         println!(
             "{}",
             serde_json::json!({
-                "model": model.architecture(), "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
+                "model": model.architecture(), "device": margs.device, "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
                 "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps,
                 "peak_rss_bytes": rss, "kv_bytes_per_token": cache.bytes_per_token(), "kv_allocated_bytes": cache.allocated_bytes(),
             })
         );
     } else {
         println!(
-            "model {} | kv {} | threads {}",
+            "model {} | device {} | batch {batch} | kv {} | threads {}",
             model.architecture(),
+            margs.device,
             label,
             candle_core::utils::get_num_threads()
         );
-        println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up)");
-        println!("decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth})");
+        println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up; all rows)");
+        println!(
+            "decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth}; all rows)"
+        );
         println!(
             "peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated",
             rss as f64 / 1048576.0,

@@ -45,14 +45,42 @@ pub fn model_path(args: &ModelArgs) -> Result<PathBuf> {
     }
 }
 
+/// The device `--device` names; for CUDA, with the KV backend installed.
+pub fn device(name: &str) -> Result<Device> {
+    let ordinal = match name.split_once(':') {
+        None if name == "cpu" => return Ok(Device::Cpu),
+        None if name == "cuda" => 0,
+        Some(("cuda", n)) => n
+            .parse()
+            .with_context(|| format!("--device {name}: `{n}` is not a GPU number"))?,
+        _ => bail!("--device {name}: expected cpu, cuda or cuda:N"),
+    };
+    cuda_device(ordinal)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(ordinal: usize) -> Result<Device> {
+    tessera_kernels::backend::install();
+    Device::new_cuda(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(_ordinal: usize) -> Result<Device> {
+    bail!(
+        "this tessera was built without CUDA; rebuild with `cargo build --release --features cuda`"
+    )
+}
+
 pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
+    let device = device(&args.device)?;
     let path = model_path(args)?;
     let options = LoadOptions {
-        reencode_q5_0: !args.keep_q5_0,
+        // The Q8_0 re-encoding serves the CPU's repacked matmul only.
+        reencode_q5_0: !args.keep_q5_0 && device.is_cpu(),
         dequantize: args.f32_weights,
         ..Default::default()
     };
-    Ok(Model::load(&path, &options, &Device::Cpu)?)
+    Ok(Model::load(&path, &options, &device)?)
 }
 
 pub fn scheme(kv: &str, kv_start: usize) -> Result<KvScheme> {

@@ -34,6 +34,10 @@ pub struct ModelArgs {
     /// change upstream into rounding flips, a noise floor of its own.
     #[arg(long)]
     pub f32_weights: bool,
+    /// Where the model and its KV cache run: `cpu`, or `cuda` (GPU 0; `cuda:N` for GPU N)
+    /// in a build with the `cuda` feature.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 /// KV cache options.
@@ -169,6 +173,9 @@ enum Command {
         /// Timed prefill runs (after one untimed warm-up run).
         #[arg(long, default_value_t = 3)]
         repeat: usize,
+        /// Sequences decoded together (rows of one batch, equal lengths).
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
         #[command(flatten)]
         kv: KvArgs,
         #[arg(long)]
@@ -274,9 +281,21 @@ fn run(cli: Cli) -> Result<()> {
             gen_tokens,
             depth,
             repeat,
+            batch,
             kv,
             json,
-        } => bench::bench(&model, prompt_tokens, gen_tokens, depth, repeat, &kv, json),
+        } => bench::bench(
+            &model,
+            bench::Shape {
+                prompt_tokens,
+                gen_tokens,
+                depth,
+                repeat,
+                batch,
+            },
+            &kv,
+            json,
+        ),
         Command::Model {
             action: ModelAction::Fetch,
         } => commands::fetch(),

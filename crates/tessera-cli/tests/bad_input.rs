@@ -299,3 +299,16 @@ fn eval_plot_refuses_png_before_loading() {
     ]);
     assert_clean_error(code, &err, "SVG only");
 }
+
+#[test]
+fn unknown_or_unavailable_device() {
+    let (code, _, err) = tessera(&["bench", "--device", "tpu", "--gen-tokens", "1"]);
+    assert_clean_error(code, &err, "expected cpu, cuda or cuda:N");
+    let (code, _, err) = tessera(&["bench", "--device", "cuda:x", "--gen-tokens", "1"]);
+    assert_clean_error(code, &err, "not a GPU number");
+    // CI's build has no CUDA: the error says how to get it.
+    if !cfg!(feature = "cuda") {
+        let (code, _, err) = tessera(&["bench", "--device", "cuda", "--gen-tokens", "1"]);
+        assert_clean_error(code, &err, "--features cuda");
+    }
+}

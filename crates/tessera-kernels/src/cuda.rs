@@ -96,12 +96,19 @@ pub struct DecodeRead {
 }
 
 fn compile(ctx: &Arc<CudaContext>, defines: &str) -> Result<Arc<cudarc::driver::CudaModule>> {
-    let src = format!("{defines}\n{DECODE_CU}");
+    compile_source(ctx, &format!("{defines}\n{DECODE_CU}"))
+}
+
+/// NVRTC for the H200 (sm_90), loaded into `ctx`.
+pub(crate) fn compile_source(
+    ctx: &Arc<CudaContext>,
+    src: &str,
+) -> Result<Arc<cudarc::driver::CudaModule>> {
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some("sm_90"),
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts)
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
         .map_err(|e| anyhow::anyhow!("NVRTC: {e:?}"))?;
     Ok(ctx.load_module(ptx)?)
 }
@@ -109,7 +116,12 @@ fn compile(ctx: &Arc<CudaContext>, defines: &str) -> Result<Arc<cudarc::driver::
 impl DecodeRead {
     pub fn new(ordinal: usize) -> Result<Self> {
         let ctx = CudaContext::new(ordinal).context("opening the CUDA device")?;
-        let stream = ctx.default_stream();
+        Self::with_stream(ctx.default_stream())
+    }
+
+    /// The read on an existing stream (candle's, when the engine runs on the device).
+    pub fn with_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        let ctx = stream.context().clone();
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;

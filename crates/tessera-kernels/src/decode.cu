@@ -318,6 +318,29 @@ __device__ __forceinline__ void mma_top(float& c0, float& c1, u32 a0, u32 a2, u3
           "f"(0.f));
 }
 
+// The whole m16n8k16 tile: rows 8..15 of A carry the low halves of split operands.
+__device__ __forceinline__ void mma_full(float& c0, float& c1, float& c2, float& c3, u32 a0,
+                                         u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+        : "=f"(c0), "=f"(c1), "=f"(c2), "=f"(c3)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2),
+          "f"(c3));
+}
+
+// bf16 operands keep 8 bits: a bf16 read splits Q and P into a high and a low bf16 part
+// (x − hi), the low one in A rows 8..15, which are otherwise zero (G ≤ 8 heads), and adds
+// the two row blocks of the product, so q and p enter at ~16 bits for no extra mma. f16
+// operands (affine) keep 11 bits, enough: they skip it.
+#define SPLIT_OPERANDS (CODEC == 0)
+#if SPLIT_OPERANDS
+// x − (the bf16 pair `hi` packs), as a bf16 pair.
+__device__ __forceinline__ u32 residual2(float lo, float hi, u32 packed) {
+    return pack2(lo - __uint_as_float(packed << 16), hi - __uint_as_float(packed & 0xffff0000u));
+}
+#endif
+
 // Lane-local element order of k-step j: the A fragment's (reg0, reg2) hold q at these
 // offsets into the lane's DQ elements, matching what key_frag feeds.
 __device__ __forceinline__ void k_offsets(int j, int o[4]) {
@@ -408,6 +431,9 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
 
     // Q as A fragments (rows = heads), log2(e) folded in, heads past G zero.
     u32 qa[D / 16][2];
+#if SPLIT_OPERANDS
+    u32 qr[D / 16][2]; // the residuals
+#endif
     {
         const bool real = gid < G;
         const float* qg = q + (((long)b * kv_heads + h) * G + (real ? gid : 0)) * D + DQ * tq;
@@ -420,6 +446,10 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
             for (int i = 0; i < 4; i++) x[i] = real ? qg[o[i]] * LOG2E : 0.f;
             qa[j][0] = pack2(x[0], x[1]);
             qa[j][1] = pack2(x[2], x[3]);
+#if SPLIT_OPERANDS
+            qr[j][0] = residual2(x[0], x[1], qa[j][0]);
+            qr[j][1] = residual2(x[2], x[3], qa[j][1]);
+#endif
         }
     }
     float m = NEG_BIG, l = 0.f;
@@ -452,6 +482,9 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
 #pragma unroll
         for (int nb = 0; nb < 2; nb++) {
             s[nb][0] = s[nb][1] = 0.f;
+#if SPLIT_OPERANDS
+            float sr0 = 0.f, sr1 = 0.f;
+#endif
 #if CODEC != 0
             const u32 scale2 = __byte_perm(kp[nb], kp[nb], 0x1010);
             const u32 bias2 = __byte_perm(kp[nb], kp[nb], 0x3232);
@@ -470,8 +503,17 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
                 const u32 b0 = scale_pair(__byte_perm(w, 0x64646464u, 0x4140), scale2, bias2);
                 const u32 b1 = scale_pair(__byte_perm(w, 0x64646464u, 0x4342), scale2, bias2);
 #endif
+#if SPLIT_OPERANDS
+                mma_full(s[nb][0], s[nb][1], sr0, sr1, qa[j][0], qr[j][0], qa[j][1], qr[j][1], b0,
+                         b1);
+#else
                 mma_top(s[nb][0], s[nb][1], qa[j][0], qa[j][1], b0, b1);
+#endif
             }
+#if SPLIT_OPERANDS
+            s[nb][0] += sr0;
+            s[nb][1] += sr1;
+#endif
         }
         // Online softmax over the tile (the 4 lanes of a group hold one head's 16 rows).
         float mx = NEG_BIG;
@@ -495,6 +537,9 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
             for (int c = 0; c < 2; c++) p[nb][c] = fast_exp2(s[nb][c] - mn);
         l = l * corr + p[0][0] + p[0][1] + p[1][0] + p[1][1];
         const u32 pa0 = pack2(p[0][0], p[0][1]), pa2 = pack2(p[1][0], p[1][1]);
+#if SPLIT_OPERANDS
+        const u32 pr0 = residual2(p[0][0], p[0][1], pa0), pr2 = residual2(p[1][0], p[1][1], pa2);
+#endif
         // Once the running max settles, tiles leave it unchanged: skip the rescale then.
         const bool rescale = __any_sync(0xffffffffu, corr != 1.f);
 #if CODEC != 0
@@ -528,7 +573,14 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
                 acc[nd][0] *= corr;
                 acc[nd][1] *= corr;
             }
+#if SPLIT_OPERANDS
+            float e0 = 0.f, e1 = 0.f;
+            mma_full(acc[nd][0], acc[nd][1], e0, e1, pa0, pr0, pa2, pr2, b0, b1);
+            acc[nd][0] += e0;
+            acc[nd][1] += e1;
+#else
             mma_top(acc[nd][0], acc[nd][1], pa0, pa2, b0, b1);
+#endif
         }
         if (TC_PREFETCH) cur = next;
     }

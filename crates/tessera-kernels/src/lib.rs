@@ -6,6 +6,9 @@
 /// The fused decode read (see the comments in the file).
 pub const DECODE_CU: &str = include_str!("decode.cu");
 
+/// Encoding, decoding and growing KV planes on the device (see the comments in the file).
+pub const PLANES_CU: &str = include_str!("planes.cu");
+
 /// Positions a decode block covers per step of its loop: 4 warps × 16 rows for the
 /// tensor-core kernel, and a multiple of the CUDA-core kernel's step (4 warps × 256/d rows,
 /// × its unroll) for every head dim. Splits are whole steps.
@@ -32,6 +35,8 @@ pub fn plan_splits(
     (max_len.div_ceil(chunk.max(1)).max(1), chunk.max(BLOCK_STEP))
 }
 
+#[cfg(feature = "cuda")]
+pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 

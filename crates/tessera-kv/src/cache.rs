@@ -3,11 +3,13 @@
 use crate::affine_chunk::ChunkGeometry;
 use crate::affine_planes::AffinePlanes;
 use crate::decode::RowSlots;
+use crate::device::{planes_on, DevicePlanes, PlaneGeometry};
 use crate::plain::PlainPlanes;
+use crate::read::DeviceRef;
 use crate::rows::Rows;
 use crate::turbo_planes::TurboPlanes;
 use crate::{AttentionRead, Codec, KvError, KvScheme, LayerSpec, PlainDType, Retention};
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use std::borrow::Cow;
 
 /// What a model's attention layer sees: append new keys and values, get back a read.
@@ -33,6 +35,8 @@ enum Planes {
     Plain(PlainPlanes),
     Affine(AffinePlanes),
     Turbo(TurboPlanes),
+    /// Any codec, on a device, through the installed backend (see [`crate::device`]).
+    Device(Box<dyn DevicePlanes>),
 }
 
 impl Planes {
@@ -53,6 +57,7 @@ impl Planes {
                 p.reserve(slots, limit);
                 Ok(())
             }
+            Planes::Device(p) => p.reserve(slots, limit),
         }
     }
 
@@ -61,6 +66,7 @@ impl Planes {
             Planes::Plain(p) => p.write(slot, k, v),
             Planes::Affine(p) => p.write(slot, k, v),
             Planes::Turbo(p) => p.write(slot, k, v),
+            Planes::Device(p) => p.write(slot, k, v),
         }
     }
 
@@ -69,6 +75,7 @@ impl Planes {
             Planes::Plain(p) => p.read(slot, len),
             Planes::Affine(p) => p.read(slot, len),
             Planes::Turbo(p) => p.read(slot, len),
+            Planes::Device(p) => p.read(slot, len),
         }
     }
 
@@ -77,6 +84,7 @@ impl Planes {
             Planes::Plain(p) => p.as_stored(x),
             Planes::Affine(p) => p.as_stored(x),
             Planes::Turbo(p) => p.as_stored(x, keys),
+            Planes::Device(p) => p.as_stored(x, keys),
         }
     }
 
@@ -85,6 +93,7 @@ impl Planes {
             Planes::Plain(p) => p.allocated_bytes(),
             Planes::Affine(p) => p.allocated_bytes(),
             Planes::Turbo(p) => p.allocated_bytes(),
+            Planes::Device(p) => p.allocated_bytes(),
         }
     }
 
@@ -93,6 +102,7 @@ impl Planes {
             Planes::Plain(p) => p.capacity(),
             Planes::Affine(p) => p.capacity(),
             Planes::Turbo(p) => p.capacity(),
+            Planes::Device(p) => p.capacity(),
         }
     }
 
@@ -106,6 +116,27 @@ impl Planes {
                 prep: p.prep(),
             }
             .to_string(),
+            Planes::Device(p) => match p.codec() {
+                Codec::Plain(dtype) => format!("plain:{}", dtype.name()),
+                codec => codec.to_string(),
+            },
+        }
+    }
+
+    /// The codec the planes hold now.
+    fn codec(&self) -> Codec {
+        match self {
+            Planes::Plain(p) => Codec::Plain(p.dtype()),
+            Planes::Affine(p) => Codec::Affine {
+                bits: p.bits(),
+                group: p.group() as u16,
+            },
+            Planes::Turbo(p) => Codec::Turbo {
+                kbits: p.bits().0,
+                vbits: p.bits().1,
+                prep: p.prep(),
+            },
+            Planes::Device(p) => p.codec(),
         }
     }
 }
@@ -179,7 +210,33 @@ impl LayerCache {
 
     /// Whether the storage is still the bf16 stage of a quantized codec.
     pub fn awaiting_conversion(&self) -> bool {
-        self.target.is_some() && matches!(self.planes, Planes::Plain(_))
+        self.target.is_some() && matches!(self.planes.codec(), Codec::Plain(_))
+    }
+
+    fn geometry(&self) -> PlaneGeometry {
+        PlaneGeometry {
+            rows: self.rows.batch(),
+            heads: self.spec.kv_heads,
+            head_dim: self.spec.head_dim,
+            value_dim: self.spec.value_dim,
+        }
+    }
+
+    /// On the first append, moves the (still empty) storage onto the appends' device when
+    /// that is not the CPU: the installed backend's planes for the current stage, after
+    /// checking it also serves the target codec, so an unsupported one fails here rather
+    /// than at conversion.
+    fn bind_device(&mut self, device: &Device) -> Result<(), KvError> {
+        if device.is_cpu() || !matches!(&self.planes, Planes::Plain(p) if p.capacity() == 0) {
+            return Ok(());
+        }
+        if let Some(target) = self.target {
+            planes_on(target, self.geometry(), device)?;
+        }
+        if let Some(planes) = planes_on(self.planes.codec(), self.geometry(), device)? {
+            self.planes = Planes::Device(planes);
+        }
+        Ok(())
     }
 
     /// Whether `n` positions can be dropped: not from a ring that has wrapped (the evicted
@@ -209,14 +266,15 @@ impl LayerCache {
     /// The bf16-first transition: once an append leaves the bf16 stage holding at least
     /// `start` positions (and never while empty), quantize every stored slot into the target
     /// codec's planes and drop the bf16 planes. Irreversible; the slots (and so a ring's write
-    /// index) carry over unchanged.
-    fn convert_if_due(&mut self) -> Result<(), KvError> {
+    /// index) carry over unchanged. Returns the retired bf16 planes (a read may still
+    /// need them).
+    fn convert_if_due(&mut self) -> Result<Option<Planes>, KvError> {
         let end = self.rows.end();
         let Some(target) = self.target else {
-            return Ok(());
+            return Ok(None);
         };
         if !self.awaiting_conversion() || end < self.start || end == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let used = match self.spec.retention {
             Retention::Full => end,
@@ -230,7 +288,12 @@ impl LayerCache {
         let (k, v) = self.planes.read(0, used)?;
         let (rows, heads) = (self.rows.batch(), self.spec.kv_heads);
         let (d, dv) = (self.spec.head_dim, self.spec.value_dim);
+        let on_device = match &self.planes {
+            Planes::Device(_) => planes_on(target, self.geometry(), k.device())?,
+            _ => None,
+        };
         let mut converted = match target {
+            _ if on_device.is_some() => Planes::Device(on_device.expect("checked")),
             Codec::Affine { bits, group } => {
                 Planes::Affine(AffinePlanes::new(bits, group as usize, rows, heads, d, dv))
             }
@@ -239,16 +302,15 @@ impl LayerCache {
                 planes.fit_key_prep(&k, prep)?;
                 Planes::Turbo(planes)
             }
-            Codec::Plain(_) => return Ok(()),
+            Codec::Plain(_) => return Ok(None),
         };
         converted.reserve(&k, &v, slots, limit)?;
         converted.write(0, &k, &v)?;
-        // The bf16 source is freed here, before any other layer converts.
-        self.planes = converted;
+        let retired = std::mem::replace(&mut self.planes, converted);
         if self.start > 0 {
             self.minimum_reusable_offset = Some(end);
         }
-        Ok(())
+        Ok(Some(retired))
     }
 
     pub fn spec(&self) -> &LayerSpec {
@@ -286,6 +348,7 @@ impl LayerCache {
     /// position the new queries may see in temporal order, and mask the rest.
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
         self.check(k, v)?;
+        self.bind_device(k.device())?;
         let n = k.dims()[2];
         let start = self.rows.end();
         if n == 1 {
@@ -328,7 +391,8 @@ impl LayerCache {
         let mask = self.rows.mask(n, &positions, window, &device)?;
         self.rows.advance(n);
         // The read above holds its own copies, so this append is read as stored before it;
-        // conversion happens inside the append, before it returns.
+        // conversion happens inside the append, before it returns (and the bf16 source is
+        // freed here, before any other layer converts).
         self.convert_if_due()?;
         Ok(AttentionRead::dense(keys, values, mask))
     }
@@ -364,7 +428,9 @@ impl LayerCache {
                 Ok(match &self.planes {
                     Planes::Affine(p) => AttentionRead::affine_chunk(Cow::Borrowed(p), pads, geo),
                     Planes::Turbo(p) => AttentionRead::turbo_chunk(Cow::Borrowed(p), pads, geo),
-                    Planes::Plain(_) => unreachable!("called for quantized planes"),
+                    Planes::Plain(_) | Planes::Device(_) => {
+                        unreachable!("called for host quantized planes")
+                    }
                 })
             }
             Retention::Window { size } => {
@@ -392,7 +458,9 @@ impl LayerCache {
                         span.write(kept, k, v)?;
                         Planes::Turbo(span)
                     }
-                    Planes::Plain(_) => unreachable!("called for quantized planes"),
+                    Planes::Plain(_) | Planes::Device(_) => {
+                        unreachable!("called for host quantized planes")
+                    }
                 };
                 self.write_ring(start, k, v, size)?;
                 self.rows.advance(n);
@@ -401,7 +469,7 @@ impl LayerCache {
                         AttentionRead::affine_chunk(Cow::Owned(span), pads, geo)
                     }
                     Planes::Turbo(span) => AttentionRead::turbo_chunk(Cow::Owned(span), pads, geo),
-                    Planes::Plain(_) => unreachable!(),
+                    Planes::Plain(_) | Planes::Device(_) => unreachable!(),
                 })
             }
         }
@@ -453,6 +521,22 @@ impl LayerCache {
                 unreachable!()
             };
             return Ok(AttentionRead::turbo_decode(turbo, rows));
+        }
+        if matches!(self.planes, Planes::Device(_)) {
+            // As on the CPU, the step that converts reads the bf16 planes it retires.
+            if let Some(Planes::Device(retired)) = self.convert_if_due()? {
+                return Ok(AttentionRead::device_decode(
+                    DeviceRef::Owned(retired),
+                    rows,
+                ));
+            }
+            let Planes::Device(planes) = &self.planes else {
+                unreachable!()
+            };
+            return Ok(AttentionRead::device_decode(
+                DeviceRef::Borrowed(planes.as_ref()),
+                rows,
+            ));
         }
         let Planes::Plain(plain) = &self.planes else {
             unreachable!()
@@ -536,7 +620,13 @@ impl AttentionCache for LayerCache {
     }
 
     fn bytes_per_token(&self) -> usize {
-        let per_row = match (&self.planes, self.target) {
+        // Before conversion, what the target codec will cost.
+        let planes = match (&self.planes, self.awaiting_conversion()) {
+            (Planes::Device(_), true) => &Planes::Plain(PlainPlanes::new(PlainDType::Bf16)),
+            (planes, _) => planes,
+        };
+        let per_row = match (planes, self.target) {
+            (Planes::Device(p), _) => p.bytes_per_position(),
             (Planes::Affine(p), _) => p.bytes_per_position(),
             (Planes::Plain(_), Some(Codec::Affine { bits, group })) => AffinePlanes::new(
                 bits,

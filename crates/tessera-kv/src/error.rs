@@ -63,6 +63,19 @@ pub enum KvError {
     #[error("query of shape {got:?} does not fit this read ({detail})")]
     QueryShape { got: Vec<usize>, detail: String },
 
+    #[error("KV {codec} is not available on {device}: {reason}")]
+    DeviceCodec {
+        codec: String,
+        device: String,
+        reason: String,
+    },
+
+    #[error("the KV cache is on {device}, but no device backend is installed for it (build with the `cuda` feature and install tessera-kernels' backend)")]
+    NoDeviceBackend { device: String },
+
+    #[error("device kernel failed: {0}")]
+    Device(String),
+
     #[error("tensor operation failed: {0}")]
     Tensor(#[from] candle_core::Error),
 }

@@ -22,6 +22,7 @@ mod affine_decode;
 pub mod affine_planes;
 mod cache;
 mod decode;
+pub mod device;
 mod error;
 pub mod plain;
 mod read;
@@ -43,7 +44,7 @@ pub const GROWTH_STEP: usize = 256;
 
 /// The capacity that holds `slots`: the next [`GROWTH_STEP`] multiple, capped at `limit`
 /// (a ring's size) but never below `slots`.
-pub(crate) fn grown_capacity(slots: usize, limit: usize) -> usize {
+pub fn grown_capacity(slots: usize, limit: usize) -> usize {
     (slots.div_ceil(GROWTH_STEP) * GROWTH_STEP)
         .min(limit)
         .max(slots)

@@ -5,6 +5,7 @@ use crate::affine_chunk::{self, ChunkGeometry};
 use crate::affine_decode;
 use crate::affine_planes::AffinePlanes;
 use crate::decode::{self, DecodeShape, RowSlots};
+use crate::device::DevicePlanes;
 use crate::rows::Rows;
 use crate::turbo_decode;
 use crate::turbo_planes::TurboPlanes;
@@ -44,6 +45,37 @@ fn attend_dense(
     Ok(out.reshape((b, qh, n, dv))?)
 }
 
+/// Device planes a read uses: the cache's own, or bf16 planes the same append retired
+/// when it converted the layer.
+#[derive(Debug)]
+pub(crate) enum DeviceRef<'a> {
+    Borrowed(&'a dyn DevicePlanes),
+    Owned(Box<dyn DevicePlanes>),
+}
+
+impl DeviceRef<'_> {
+    fn get(&self) -> &dyn DevicePlanes {
+        match self {
+            DeviceRef::Borrowed(p) => *p,
+            DeviceRef::Owned(p) => p.as_ref(),
+        }
+    }
+}
+
+/// Each row's visible slots as one span, when they are one: a ring that has wrapped holds
+/// its whole window in two ranges that together cover every slot, and attention does not
+/// depend on the order of its positions. `None` when some row's slots are not contiguous
+/// (a padded row in a wrapped ring).
+fn single_spans(rows: &[RowSlots]) -> Option<Vec<(usize, usize)>> {
+    rows.iter()
+        .map(|r| match r.ranges.as_slice() {
+            [a] => Some((a.start, a.end)),
+            [a, b] if b.start == 0 && b.end == a.start => Some((0, a.end)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Where a read's keys and values come from. (One lives per layer per step, so the size of
 /// the largest variant does not matter.)
 #[derive(Debug)]
@@ -71,6 +103,11 @@ enum Source<'a> {
     /// One query position per row, straight from TurboQuant codes.
     TurboDecode {
         planes: &'a TurboPlanes,
+        rows: Vec<RowSlots>,
+    },
+    /// One query position per row, on a device, through its backend's fused read.
+    DeviceDecode {
+        planes: DeviceRef<'a>,
         rows: Vec<RowSlots>,
     },
     /// A causal chunk of queries over TurboQuant slots (the cache's planes or a span copy).
@@ -128,6 +165,13 @@ impl<'a> AttentionRead<'a> {
         }
     }
 
+    /// A one-position read by the device planes' own kernel.
+    pub(crate) fn device_decode(planes: DeviceRef<'a>, rows: Vec<RowSlots>) -> Self {
+        AttentionRead {
+            source: Source::DeviceDecode { planes, rows },
+        }
+    }
+
     /// A causal chunk read straight from TurboQuant slots.
     pub(crate) fn turbo_chunk(
         planes: Cow<'a, TurboPlanes>,
@@ -180,6 +224,10 @@ impl<'a> AttentionRead<'a> {
             }
             Source::TurboDecode { planes, rows } => {
                 let (k, v) = planes.read(0, planes.capacity())?;
+                (k, v, rows)
+            }
+            Source::DeviceDecode { planes, rows } => {
+                let (k, v) = planes.get().read(0, planes.get().capacity())?;
                 (k, v, rows)
             }
             Source::AffineChunk {
@@ -266,6 +314,12 @@ impl<'a> AttentionRead<'a> {
                     )?,
                     _ => unreachable!(),
                 });
+            }
+            Source::DeviceDecode { planes, rows } => {
+                return match single_spans(rows) {
+                    Some(spans) => planes.get().decode(q, &spans, scale),
+                    None => self.to_dense()?.attend(q, scale),
+                };
             }
             Source::TurboDecode { planes, rows } => {
                 let (kvh, d, dv) = planes.geometry();
@@ -368,4 +422,30 @@ fn decode_shape(
         value_dim,
         capacity,
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one range per row is the common case
+mod tests {
+    use super::*;
+
+    fn rows(ranges: &[&[std::ops::Range<usize>]]) -> Vec<RowSlots> {
+        ranges
+            .iter()
+            .map(|r| RowSlots { ranges: r.to_vec() })
+            .collect()
+    }
+
+    #[test]
+    fn spans_of_plain_and_wrapped_rows() {
+        // A full-attention row and a ring of 8 that has wrapped (slots 5..8 then 0..5: all).
+        assert_eq!(
+            single_spans(&rows(&[&[0..100], &[5..8, 0..5]])),
+            Some(vec![(0, 100), (0, 8)])
+        );
+        // A padded row in a wrapped ring sees two separate runs of slots: no single span.
+        assert_eq!(single_spans(&rows(&[&[0..8], &[6..8, 0..3]])), None);
+        // A ring that has not wrapped.
+        assert_eq!(single_spans(&rows(&[&[2..7]])), Some(vec![(2, 7)]));
+    }
 }

@@ -54,8 +54,11 @@ fn gelu_best(xs: &mut [f32]) {
     gelu_slice(xs)
 }
 
-/// gelu-tanh of an f32 tensor.
+/// gelu-tanh of an f32 tensor (candle's kernel off the CPU).
 pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return x.gelu();
+    }
     let mut v: Vec<f32> = x.flatten_all()?.to_vec1()?;
     const CHUNK: usize = 8192;
     let ptr = v.as_mut_ptr() as usize;

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Runs on the device machine (see ../shared/gpu/README.md): unpacks the gzipped binaries
+# carried in .device/, then the steps named as arguments, each logged under $OUT.
+#   parity  kv-cache-parity (the CUDA KV backend against the CPU cache)
+#   eval    perplexity of a synthetic gemma3-270m, --device cpu vs cuda, bf16/affine:4/affine:8
+#   e2e     tessera bench --device cuda, synthetic gemma3-270m, depth 32k, batch 1 and 16
+#   e2eglobal  synthetic gemma3-270m, batch 16, depth 32k, affine:4 on the global layers only
+#   profile the same with TESSERA_KV_PROFILE=1 (synchronized cache write / read times)
+#   e2e12b  the same for a synthetic gemma3-12b, batch 1
+#   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
+#   real    tessera bench on the staged real Gemma 3 270M file ($STAGED)
+#   realeval  eval (decode regime) of the staged file, --device cpu vs cuda
+#   reads   kv-read-bench time (our decode read) and torch SDPA
+set -u
+NV=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
+export LD_LIBRARY_PATH=$NV:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+B=/tmp/tessera-bin; mkdir -p $B
+for f in .device/*.gz; do [ -f "$f" ] || continue; n=$(basename $f .gz); [ -x $B/$n ] || { gunzip -c $f > $B/$n && chmod +x $B/$n; }; done
+T=$B/tessera
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+STAGED=${STAGED:-/tmp/stage/gemma-3-270m-q4_k_m.gguf}
+log() { echo "== $*"; }
+synth() { [ -f /tmp/$1.gguf ] || $T model synth --arch gemma3 --preset $1 --dtype ${2:-q4_0} --out /tmp/$1.gguf; }
+for step in "$@"; do
+  case $step in
+    parity) log parity; $B/kv-cache-parity 2>&1 | tee $OUT/parity.txt ;;
+    eval)
+      log eval; synth gemma3-270m
+      for dev in cpu cuda; do
+        $T eval --model /tmp/gemma3-270m.gguf --device $dev --text .device/text.txt \
+          --kv bf16,affine:8,affine:4 --prefill 256 --tokens 128 2>&1 | tee $OUT/eval-$dev.txt
+      done ;;
+    e2e)
+      log e2e; synth gemma3-270m
+      for batch in 1 16; do for kv in bf16 affine:4; do
+        $T bench --model /tmp/gemma3-270m.gguf --device cuda --kv $kv --depth 32768 \
+          --gen-tokens 64 --prompt-tokens 2048 --repeat 2 --batch $batch 2>&1 | tee -a $OUT/e2e-270m.txt
+      done; done ;;
+    e2eglobal)
+      log e2eglobal; synth gemma3-270m
+      for kv in bf16 affine:4:global affine:4; do
+        $T bench --model /tmp/gemma3-270m.gguf --device cuda --kv $kv --depth 32768 \
+          --gen-tokens 128 --prompt-tokens 512 --repeat 1 --batch 16 2>&1 | tee -a $OUT/e2e-global.txt
+      done ;;
+    profile)
+      log profile; synth gemma3-270m
+      for kv in bf16 affine:4:global; do
+        TESSERA_KV_PROFILE=1 $T bench --model /tmp/gemma3-270m.gguf --device cuda --kv $kv --depth 32768 \
+          --gen-tokens 256 --prompt-tokens 512 --repeat 1 --batch 16 2>&1 | tee -a $OUT/profile.txt
+      done ;;
+    e2e12b)
+      log e2e12b; synth gemma3-12b
+      for kv in bf16 affine:4; do
+        $T bench --model /tmp/gemma3-12b.gguf --device cuda --kv $kv --depth 32768 \
+          --gen-tokens 32 --prompt-tokens 2048 --repeat 1 --batch 1 2>&1 | tee -a $OUT/e2e-12b.txt
+      done ;;
+    stage)
+      mkdir -p $(dirname $STAGED)
+      for f in .device/stage/s*; do
+        [ -f $STAGED.$(basename $f) ] || { cat $f >> $STAGED && touch $STAGED.$(basename $f); }
+      done; ls -la $STAGED ;;
+    real)
+      log real; sha256sum $STAGED
+      for batch in 1 16; do for kv in bf16 affine:4; do
+        $T bench --model $STAGED --device cuda --kv $kv --depth 32768 --gen-tokens 64 \
+          --prompt-tokens 2048 --repeat 2 --batch $batch 2>&1 | tee -a $OUT/e2e-real.txt
+      done; done ;;
+    realeval)
+      log realeval
+      for dev in cpu cuda; do
+        $T eval --model $STAGED --device $dev --text .device/text.txt \
+          --kv bf16,affine:8,affine:4 --prefill 256 --tokens 256 2>&1 | tee $OUT/eval-real-$dev.txt
+      done ;;
+    reads) log reads; $B/kv-read-bench parity copy time 2>&1 | tee $OUT/reads.txt
+           python3 bench/sdpa_decode.py 2>&1 | tee -a $OUT/reads.txt ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
