@@ -142,8 +142,27 @@ fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
     std::iter::once(s.eos).chain(s.end_of_turn).collect()
 }
 
-fn user_turn(text: &str) -> String {
-    format!("<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n")
+/// A user turn and the start of the reply, in the chat format the vocabulary was trained
+/// with (told apart by its turn tokens): Gemma's, Llama 3's, or ChatML (Qwen).
+fn user_turn(tok: &Tokenizer, text: &str) -> Result<String> {
+    if tok.token_id("<start_of_turn>").is_some() {
+        Ok(format!(
+            "<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
+        ))
+    } else if tok.token_id("<|start_header_id|>").is_some() {
+        Ok(format!(
+            "<|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        ))
+    } else if tok.token_id("<|im_start|>").is_some() {
+        Ok(format!(
+            "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        ))
+    } else {
+        bail!(
+            "no chat format known for this vocabulary (Gemma, Llama 3 and ChatML turn tokens are)"
+        )
+    }
 }
 
 pub fn generate(
@@ -161,7 +180,7 @@ pub fn generate(
     let (model, tok) = load(margs)?;
     let load_time = t0.elapsed();
     let text = if chat_template {
-        user_turn(prompt)
+        user_turn(&tok, prompt)?
     } else {
         prompt.to_string()
     };
@@ -230,7 +249,7 @@ pub fn chat(
             _ => {}
         }
         let first = session.tokens().is_empty();
-        let ids = tok.encode(&user_turn(line), first)?;
+        let ids = tok.encode(&user_turn(&tok, line)?, first)?;
         let mut gen = match Generation::new(
             &mut session,
             &ids,
@@ -436,7 +455,7 @@ pub fn synth(arch: &str, preset: &str, out: &Path, dtype: &str, seed: u64) -> Re
     let shape = synth::preset(arch, preset)?;
     let dtype = synth::parse_dtype(dtype)?;
     let t = std::time::Instant::now();
-    synth::write_gemma3(&shape, dtype, seed, out)?;
+    synth::write_model(&shape, dtype, seed, out)?;
     let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
     println!(
         "wrote {} ({}: {:.2} B parameters, {:?}, {:.1} MiB) in {:.1} s",

@@ -200,9 +200,11 @@ enum ModelAction {
     /// Write a GGUF with random weights in a real architecture's shapes (for speed and
     /// memory at realistic sizes without downloads), e.g. `--preset gemma3-12b`.
     Synth {
+        /// gemma3, llama or qwen3.
         #[arg(long, default_value = "gemma3")]
         arch: String,
-        /// tiny, gemma3-270m, gemma3-1b, gemma3-4b, gemma3-12b, gemma3-27b.
+        /// gemma3: tiny, gemma3-270m, -1b, -4b, -12b, -27b; llama: tiny, llama3.2-1b,
+        /// llama3.2-3b, llama3-8b, llama3-70b; qwen3: tiny, qwen3-0.6b, -4b, -8b, -32b.
         #[arg(long)]
         preset: String,
         #[arg(long)]

@@ -15,7 +15,7 @@ use tessera_models::{LogitsMode, Model};
 #[test]
 fn chunked_prefill_and_decode_equal_one_uncached_pass() {
     let (model, tok) = common::load_f32_weights();
-    let Model::Gemma3(gemma) = &model;
+    let Model::Decoder(gemma) = &model;
     let ids: Vec<u32> = tok.encode(&common::corpus(), true).unwrap()[..1500].to_vec();
     let reference = gemma.forward_uncached(&ids).unwrap(); // (1, 1500, vocab)
     let vocab = model.vocab_size();

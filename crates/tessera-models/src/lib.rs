@@ -7,8 +7,8 @@
 //! [`tessera_kv::KvCache`] the caller owns: models hold no mutable state.
 
 mod activation;
+pub mod decoder;
 mod error;
-pub mod gemma3;
 pub mod gguf;
 pub mod q8;
 pub mod synth;
@@ -64,11 +64,12 @@ pub enum MlpActivation {
     Silu,
 }
 
-pub const SUPPORTED_ARCHITECTURES: &str = "gemma3";
+pub const SUPPORTED_ARCHITECTURES: &str = "gemma3, llama, qwen3";
 
-/// A loaded model of one of the supported architectures.
+/// A loaded model of one of the supported architectures (all decoder-only transformers
+/// of one graph, see [`decoder`]).
 pub enum Model {
-    Gemma3(gemma3::Gemma3),
+    Decoder(decoder::Decoder),
 }
 
 impl Model {
@@ -80,15 +81,13 @@ impl Model {
     ) -> Result<(Model, Tokenizer), ModelError> {
         let mut gguf = GgufFile::open(path)?;
         let arch = gguf.architecture()?;
-        let model = match arch.as_str() {
-            "gemma3" => Model::Gemma3(gemma3::Gemma3::load(&mut gguf, options, device)?),
-            _ => {
-                return Err(ModelError::UnknownArchitecture {
-                    arch,
-                    supported: SUPPORTED_ARCHITECTURES,
-                })
-            }
+        let Some(kind) = decoder::Arch::from_name(&arch) else {
+            return Err(ModelError::UnknownArchitecture {
+                arch,
+                supported: SUPPORTED_ARCHITECTURES,
+            });
         };
+        let model = Model::Decoder(decoder::Decoder::load(&mut gguf, kind, options, device)?);
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         Ok((model, tokenizer))
     }
@@ -100,37 +99,37 @@ impl Model {
         mode: LogitsMode,
     ) -> Result<Tensor, ModelError> {
         match self {
-            Model::Gemma3(m) => m.forward(tokens, cache, mode),
+            Model::Decoder(m) => m.forward(tokens, cache, mode),
         }
     }
 
     pub fn layer_specs(&self) -> Vec<LayerSpec> {
         match self {
-            Model::Gemma3(m) => m.config().layer_specs(),
+            Model::Decoder(m) => m.config().layer_specs(),
         }
     }
 
     pub fn context_length(&self) -> usize {
         match self {
-            Model::Gemma3(m) => m.config().context_length,
+            Model::Decoder(m) => m.config().context_length,
         }
     }
 
     pub fn vocab_size(&self) -> usize {
         match self {
-            Model::Gemma3(m) => m.config().vocab,
+            Model::Decoder(m) => m.config().vocab,
         }
     }
 
     pub fn device(&self) -> &Device {
         match self {
-            Model::Gemma3(m) => m.device(),
+            Model::Decoder(m) => m.device(),
         }
     }
 
     pub fn architecture(&self) -> &'static str {
         match self {
-            Model::Gemma3(_) => "gemma3",
+            Model::Decoder(m) => m.config().arch.name(),
         }
     }
 }

@@ -5,14 +5,16 @@
 //! (controls, the 256 byte tokens, then placeholder pieces), and everything the loader
 //! and tokenizer read is there, so the file runs through the whole engine.
 
+use crate::decoder::Arch;
 use crate::ModelError;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use std::path::Path;
 
-/// The shapes of one Gemma 3 model size (from the published configurations).
+/// The shapes of one model size (from the published configurations).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Gemma3Shape {
+pub struct SynthShape {
+    pub arch: Arch,
     pub name: &'static str,
     pub hidden: usize,
     pub layers: usize,
@@ -21,10 +23,13 @@ pub struct Gemma3Shape {
     pub head_dim: usize,
     pub ffn: usize,
     pub vocab: usize,
+    /// Gemma 3's sliding window (unused by the others).
     pub sliding_window: usize,
 }
 
-const fn gemma3(
+#[allow(clippy::too_many_arguments)]
+const fn shape(
+    arch: Arch,
     name: &'static str,
     hidden: usize,
     layers: usize,
@@ -32,8 +37,10 @@ const fn gemma3(
     kv_heads: usize,
     head_dim: usize,
     ffn: usize,
-) -> Gemma3Shape {
-    Gemma3Shape {
+    vocab: usize,
+) -> SynthShape {
+    SynthShape {
+        arch,
         name,
         hidden,
         layers,
@@ -41,53 +48,57 @@ const fn gemma3(
         kv_heads,
         head_dim,
         ffn,
-        vocab: 262_144,
+        vocab,
         sliding_window: 512,
     }
 }
 
-/// Gemma 3 sizes, 270M to 27B; `tiny` is for tests.
-pub const GEMMA3_PRESETS: &[Gemma3Shape] = &[
-    Gemma3Shape {
-        name: "tiny",
-        hidden: 64,
-        layers: 6,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 32,
-        ffn: 128,
-        vocab: 512,
+const G: Arch = Arch::Gemma3;
+const L: Arch = Arch::Llama;
+const Q: Arch = Arch::Qwen3;
+
+/// Gemma 3 (270M to 27B), Llama 3.x (1B to 70B) and Qwen 3 (0.6B to 32B) sizes; each
+/// architecture's `tiny` is for tests.
+pub const PRESETS: &[SynthShape] = &[
+    SynthShape {
         sliding_window: 16,
+        ..shape(G, "tiny", 64, 6, 2, 1, 32, 128, 512)
     },
-    gemma3("gemma3-270m", 640, 18, 4, 1, 256, 2048),
-    gemma3("gemma3-1b", 1152, 26, 4, 1, 256, 6912),
-    gemma3("gemma3-4b", 2560, 34, 8, 4, 256, 10240),
-    gemma3("gemma3-12b", 3840, 48, 16, 8, 256, 15360),
-    gemma3("gemma3-27b", 5376, 62, 32, 16, 128, 21504),
+    shape(G, "gemma3-270m", 640, 18, 4, 1, 256, 2048, 262_144),
+    shape(G, "gemma3-1b", 1152, 26, 4, 1, 256, 6912, 262_144),
+    shape(G, "gemma3-4b", 2560, 34, 8, 4, 256, 10240, 262_144),
+    shape(G, "gemma3-12b", 3840, 48, 16, 8, 256, 15360, 262_144),
+    shape(G, "gemma3-27b", 5376, 62, 32, 16, 128, 21504, 262_144),
+    shape(L, "tiny", 64, 4, 4, 2, 16, 128, 512),
+    shape(L, "llama3.2-1b", 2048, 16, 32, 8, 64, 8192, 128_256),
+    shape(L, "llama3.2-3b", 3072, 28, 24, 8, 128, 8192, 128_256),
+    shape(L, "llama3-8b", 4096, 32, 32, 8, 128, 14336, 128_256),
+    shape(L, "llama3-70b", 8192, 80, 64, 8, 128, 28672, 128_256),
+    shape(Q, "tiny", 64, 4, 4, 2, 16, 128, 512),
+    shape(Q, "qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151_936),
+    shape(Q, "qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151_936),
+    shape(Q, "qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151_936),
+    shape(Q, "qwen3-32b", 5120, 64, 64, 8, 128, 25600, 151_936),
 ];
 
-/// Architectures `synth` knows; only those the engine loads can be written.
-pub const SYNTH_ARCHITECTURES: &str = "gemma3";
+/// Architectures `synth` writes: those the engine loads.
+pub const SYNTH_ARCHITECTURES: &str = "gemma3, llama, qwen3";
 
 /// The preset `name` of `arch`, or an error listing what exists.
-pub fn preset(arch: &str, name: &str) -> Result<Gemma3Shape, ModelError> {
-    if arch != "gemma3" {
+pub fn preset(arch: &str, name: &str) -> Result<SynthShape, ModelError> {
+    let Some(kind) = Arch::from_name(arch) else {
         return Err(ModelError::Synth(format!(
-            "architecture `{arch}`: synth writes {SYNTH_ARCHITECTURES} (the architectures this \
-             engine loads; llama and qwen3 shapes come with their loaders)"
+            "architecture `{arch}`: synth writes {SYNTH_ARCHITECTURES}"
         )));
-    }
-    GEMMA3_PRESETS
-        .iter()
-        .find(|p| p.name == name)
-        .copied()
-        .ok_or_else(|| {
-            let names: Vec<&str> = GEMMA3_PRESETS.iter().map(|p| p.name).collect();
-            ModelError::Synth(format!(
-                "unknown preset `{name}` for gemma3 (have: {})",
-                names.join(", ")
-            ))
-        })
+    };
+    let of_arch = || PRESETS.iter().filter(move |p| p.arch == kind);
+    of_arch().find(|p| p.name == name).copied().ok_or_else(|| {
+        let names: Vec<&str> = of_arch().map(|p| p.name).collect();
+        ModelError::Synth(format!(
+            "unknown preset `{name}` for {arch} (have: {})",
+            names.join(", ")
+        ))
+    })
 }
 
 /// Weight storage types synth writes.
@@ -103,13 +114,29 @@ pub fn parse_dtype(name: &str) -> Result<GgmlDType, ModelError> {
     }
 }
 
-impl Gemma3Shape {
-    /// Parameters, embeddings included.
+impl SynthShape {
+    /// Parameters, embeddings included (tied, as synth writes them).
     pub fn parameters(&self) -> usize {
         let attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads);
         let mlp = 3 * self.hidden * self.ffn;
-        let norms = 4 * self.hidden + 2 * self.head_dim;
+        let norms = self
+            .norms()
+            .iter()
+            .map(|(_, hidden)| if *hidden { self.hidden } else { self.head_dim })
+            .sum::<usize>();
         self.vocab * self.hidden + self.layers * (attn + mlp + norms) + self.hidden
+    }
+
+    /// Each block's norm tensors, and whether each spans the hidden size (else a head).
+    fn norms(&self) -> Vec<(&'static str, bool)> {
+        let mut n = vec![("attn_norm", true), ("ffn_norm", true)];
+        if self.arch.post_norms() {
+            n.extend([("post_attention_norm", true), ("post_ffw_norm", true)]);
+        }
+        if self.arch.qk_norm() {
+            n.extend([("attn_q_norm", false), ("attn_k_norm", false)]);
+        }
+        n
     }
 }
 
@@ -159,9 +186,9 @@ fn vocabulary(size: usize) -> (Vec<String>, Vec<f32>, Vec<i32>) {
     (tokens, scores, types)
 }
 
-/// Writes a Gemma 3 GGUF of `shape` with random weights stored as `dtype` to `out`.
-pub fn write_gemma3(
-    shape: &Gemma3Shape,
+/// Writes a GGUF of `shape` with random weights stored as `dtype` to `out`.
+pub fn write_model(
+    shape: &SynthShape,
     dtype: GgmlDType,
     seed: u64,
     out: &Path,
@@ -192,15 +219,8 @@ pub fn write_gemma3(
         matrix(p("ffn_gate"), s.ffn, s.hidden, &mut seed)?;
         matrix(p("ffn_up"), s.ffn, s.hidden, &mut seed)?;
         matrix(p("ffn_down"), s.hidden, s.ffn, &mut seed)?;
-        for (n, dim) in [
-            ("attn_norm", s.hidden),
-            ("post_attention_norm", s.hidden),
-            ("ffn_norm", s.hidden),
-            ("post_ffw_norm", s.hidden),
-            ("attn_q_norm", s.head_dim),
-            ("attn_k_norm", s.head_dim),
-        ] {
-            norms.push((p(n), dim));
+        for (n, hidden) in s.norms() {
+            norms.push((p(n), if hidden { s.hidden } else { s.head_dim }));
         }
     }
     for (name, dim) in norms {
@@ -211,32 +231,29 @@ pub fn write_gemma3(
     use gguf_file::Value;
     let (tokens, scores, types) = vocabulary(s.vocab);
     let u = |x: usize| Value::U32(x as u32);
-    let metadata: Vec<(String, Value)> = vec![
-        (
-            "general.architecture".into(),
-            Value::String("gemma3".into()),
-        ),
+    let arch = s.arch.name();
+    let k = |key: &str| format!("{arch}.{key}");
+    let rope_base = match s.arch {
+        Arch::Llama => 500_000.0,
+        Arch::Gemma3 | Arch::Qwen3 => 1_000_000.0,
+    };
+    let mut metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
         (
             "general.name".into(),
             Value::String(format!("synthetic {}", s.name)),
         ),
-        ("gemma3.embedding_length".into(), u(s.hidden)),
-        ("gemma3.block_count".into(), u(s.layers)),
-        ("gemma3.attention.head_count".into(), u(s.heads)),
-        ("gemma3.attention.head_count_kv".into(), u(s.kv_heads)),
-        ("gemma3.attention.key_length".into(), u(s.head_dim)),
-        ("gemma3.attention.value_length".into(), u(s.head_dim)),
-        ("gemma3.feed_forward_length".into(), u(s.ffn)),
-        ("gemma3.context_length".into(), u(131_072)),
-        (
-            "gemma3.attention.sliding_window".into(),
-            u(s.sliding_window),
-        ),
-        (
-            "gemma3.attention.layer_norm_rms_epsilon".into(),
-            Value::F32(1e-6),
-        ),
-        ("gemma3.rope.freq_base".into(), Value::F32(1_000_000.0)),
+        (k("embedding_length"), u(s.hidden)),
+        (k("block_count"), u(s.layers)),
+        (k("attention.head_count"), u(s.heads)),
+        (k("attention.head_count_kv"), u(s.kv_heads)),
+        (k("attention.key_length"), u(s.head_dim)),
+        (k("attention.value_length"), u(s.head_dim)),
+        (k("rope.dimension_count"), u(s.head_dim)),
+        (k("feed_forward_length"), u(s.ffn)),
+        (k("context_length"), u(131_072)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (k("rope.freq_base"), Value::F32(rope_base)),
         ("tokenizer.ggml.model".into(), Value::String("llama".into())),
         (
             "tokenizer.ggml.tokens".into(),
@@ -254,6 +271,9 @@ pub fn write_gemma3(
         ("tokenizer.ggml.eos_token_id".into(), u(1)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
     ];
+    if s.arch == Arch::Gemma3 {
+        metadata.push((k("attention.sliding_window"), u(s.sliding_window)));
+    }
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tmp = out.with_extension("gguf.partial");

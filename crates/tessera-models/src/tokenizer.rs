@@ -1,5 +1,11 @@
-//! A `tokenizers` BPE built from a GGUF SentencePiece vocabulary
-//! (`tokenizer.ggml.model = "llama"`: tokens, scores, token types, byte fallback, no merges).
+//! A `tokenizers` BPE built from a GGUF vocabulary, of either kind llama.cpp writes:
+//!
+//! - SentencePiece (`tokenizer.ggml.model = "llama"`: Gemma, Llama 2): tokens, scores,
+//!   token types, byte fallback, no merges (below).
+//! - Byte-level BPE (`"gpt2"`: Llama 3, Qwen 2/3): tokens and ranked merges over the
+//!   GPT-2 byte alphabet, the text first split by the pre-tokenizer regex the vocabulary
+//!   names in `tokenizer.ggml.pre` (the patterns are those of the models' published
+//!   tokenizer configurations).
 //!
 //! SentencePiece BPE repeatedly merges the adjacent pair whose concatenation is the vocabulary
 //! piece with the highest score. A Hugging Face BPE does the same with merge ranks, so the
@@ -47,9 +53,9 @@ fn tokenizer_error(e: impl std::fmt::Display) -> ModelError {
 impl Tokenizer {
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self, ModelError> {
         let model = gguf.string("tokenizer.ggml.model")?;
-        if model != "llama" {
+        if model != "llama" && model != "gpt2" {
             return Err(ModelError::Tokenizer(format!(
-                "tokenizer model `{model}` is not supported (this build reads SentencePiece `llama` vocabularies)"
+                "tokenizer model `{model}` is not supported (this build reads SentencePiece `llama` and byte-level BPE `gpt2` vocabularies)"
             )));
         }
         let tokens: Vec<String> = gguf
@@ -57,11 +63,15 @@ impl Tokenizer {
             .iter()
             .map(|v| v.to_string().cloned().map_err(tokenizer_error))
             .collect::<Result<_, _>>()?;
-        let scores: Vec<f32> = gguf
-            .array("tokenizer.ggml.scores")?
-            .iter()
-            .map(|v| v.to_f32().map_err(tokenizer_error))
-            .collect::<Result<_, _>>()?;
+        // Byte-level vocabularies rank merges instead of scoring pieces.
+        let scores: Vec<f32> = match (model.as_str(), gguf.array("tokenizer.ggml.scores")) {
+            (_, Ok(a)) => a
+                .iter()
+                .map(|v| v.to_f32().map_err(tokenizer_error))
+                .collect::<Result<_, _>>()?,
+            ("gpt2", Err(_)) => vec![0.0; tokens.len()],
+            (_, Err(e)) => return Err(e),
+        };
         let types: Vec<i32> = gguf
             .array("tokenizer.ggml.token_type")?
             .iter()
@@ -86,12 +96,30 @@ impl Tokenizer {
             eos: id("tokenizer.ggml.eos_token_id").ok_or_else(|| ModelError::MissingMetadata {
                 key: "tokenizer.ggml.eos_token_id".into(),
             })?,
-            end_of_turn: find("<end_of_turn>"),
+            // The token that ends a chat turn: Gemma's, Llama 3's, Qwen's (ChatML).
+            end_of_turn: id("tokenizer.ggml.eot_token_id").or_else(|| {
+                ["<end_of_turn>", "<|eot_id|>", "<|im_end|>"]
+                    .iter()
+                    .find_map(|t| find(t))
+            }),
             start_of_turn: find("<start_of_turn>"),
-            add_bos: gguf.bool_or("tokenizer.ggml.add_bos_token", true),
+            // llama.cpp's defaults: SentencePiece vocabularies add BOS, byte-level ones not.
+            add_bos: gguf.bool_or("tokenizer.ggml.add_bos_token", model == "llama"),
         };
-        let add_space_prefix = gguf.bool_or("tokenizer.ggml.add_space_prefix", false);
-        let inner = build(&tokens, &scores, &types, add_space_prefix)?;
+        let inner = if model == "gpt2" {
+            let merges: Vec<String> = gguf
+                .array("tokenizer.ggml.merges")?
+                .iter()
+                .map(|v| v.to_string().cloned().map_err(tokenizer_error))
+                .collect::<Result<_, _>>()?;
+            let pre = gguf
+                .string("tokenizer.ggml.pre")
+                .unwrap_or_else(|_| "default".into());
+            build_byte_level(&tokens, &merges, &types, &pre)?
+        } else {
+            let add_space_prefix = gguf.bool_or("tokenizer.ggml.add_space_prefix", false);
+            build(&tokens, &scores, &types, add_space_prefix)?
+        };
         Ok(Tokenizer {
             inner,
             special,
@@ -126,10 +154,105 @@ impl Tokenizer {
         self.inner.decode(ids, true).map_err(tokenizer_error)
     }
 
+    /// The id of the token whose text is `text`, if the vocabulary has one.
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.inner.token_to_id(text)
+    }
+
     /// The text of one token as the vocabulary stores it (for debugging and tests).
     pub fn token_text(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }
+}
+
+/// Pre-tokenizer patterns by `tokenizer.ggml.pre`: how the text is split before the byte
+/// BPE runs (Llama 3 groups up to three digits, Qwen 2 splits every digit).
+fn pre_tokenizer_pattern(pre: &str) -> Option<&'static str> {
+    match pre {
+        "llama-bpe" | "llama3" | "llama-v3" | "smaug-bpe" => Some(concat!(
+            "(?i:'s|'t|'re|'ve|'m|'ll|'d)",
+            r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        )),
+        "qwen2" => Some(concat!(
+            "(?i:'s|'t|'re|'ve|'m|'ll|'d)",
+            r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        )),
+        "default" | "gpt-2" | "gpt2" => {
+            Some(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+        }
+        _ => None,
+    }
+}
+
+/// A byte-level BPE (GPT-2's byte alphabet) from GGUF tokens and `"left right"` merges.
+fn build_byte_level(
+    tokens: &[String],
+    merges: &[String],
+    types: &[i32],
+    pre: &str,
+) -> Result<HfTokenizer, ModelError> {
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::SplitDelimiterBehavior;
+    let pattern = pre_tokenizer_pattern(pre).ok_or_else(|| {
+        ModelError::Tokenizer(format!(
+            "byte-level pre-tokenizer `{pre}` is not supported (this build knows llama-bpe, qwen2 and gpt-2)"
+        ))
+    })?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let merges: Vec<(String, String)> = merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(l, r)| (l.to_string(), r.to_string()))
+                .ok_or_else(|| ModelError::Tokenizer(format!("merge `{m}` is not `left right`")))
+        })
+        .collect::<Result<_, _>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        // Llama 3's configuration takes a pre-token found whole in the vocabulary as is.
+        .ignore_merges(pre != "qwen2")
+        .build()
+        .map_err(tokenizer_error)?;
+    let mut tok = HfTokenizer::new(bpe);
+    let split = Split::new(
+        SplitPattern::Regex(pattern.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(tokenizer_error)?;
+    tok.with_pre_tokenizer(Some(PreSequence::new(vec![
+        split.into(),
+        ByteLevel::new(false, true, false).into(),
+    ])));
+    tok.with_decoder(Some(ByteLevel::default()));
+    add_declared_tokens(&mut tok, tokens, types)?;
+    Ok(tok)
+}
+
+/// Control tokens (special: dropped when decoding) and user-defined ones, matched whole on
+/// the raw text before the model runs.
+fn add_declared_tokens(
+    tok: &mut HfTokenizer,
+    tokens: &[String],
+    types: &[i32],
+) -> Result<(), ModelError> {
+    let added: Vec<AddedToken> = tokens
+        .iter()
+        .zip(types)
+        .filter(|(_, &t)| t == CONTROL || t == USER_DEFINED)
+        .map(|(text, &t)| AddedToken::from(text.clone(), t == CONTROL).normalized(false))
+        .collect();
+    tok.add_special_tokens(added.iter().filter(|a| a.special).cloned())
+        .map_err(tokenizer_error)?;
+    tok.add_tokens(added.iter().filter(|a| !a.special).cloned())
+        .map_err(tokenizer_error)?;
+    Ok(())
 }
 
 fn build(
@@ -193,15 +316,6 @@ fn build(
         Fuse::new().into(),
     ];
     tok.with_decoder(Some(DecoderSequence::new(decoders)));
-    let added: Vec<AddedToken> = tokens
-        .iter()
-        .zip(types)
-        .filter(|(_, &t)| t == CONTROL || t == USER_DEFINED)
-        .map(|(text, &t)| AddedToken::from(text.clone(), t == CONTROL).normalized(false))
-        .collect();
-    tok.add_special_tokens(added.iter().filter(|a| a.special).cloned())
-        .map_err(tokenizer_error)?;
-    tok.add_tokens(added.iter().filter(|a| !a.special).cloned())
-        .map_err(tokenizer_error)?;
+    add_declared_tokens(&mut tok, tokens, types)?;
     Ok(tok)
 }

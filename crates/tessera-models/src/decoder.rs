@@ -1,14 +1,72 @@
-//! Gemma 3 text decoder, written against the tessera-kv cache API.
+//! The decoder-only transformer, written against the tessera-kv cache API, for the
+//! architectures that share its shape: pre-norm blocks of GQA attention with RoPE and a gated
+//! MLP. What differs is stated once, in [`Arch`]'s traits:
 //!
-//! Follows Google's Gemma 3 report and the public reference implementations
-//! (Hugging Face `modeling_gemma3`, mlx-lm `gemma3_text.py`): QK-norm, four RMSNorms per block,
-//! gelu-tanh MLP, tied embeddings scaled by sqrt(hidden), sliding-window layers with their
-//! own RoPE base, and every sixth layer global. GGUF files written by llama.cpp store the
-//! norm weights already shifted by one, so a weight `w` scales as `x · w`.
+//! - Gemma 3 (Google's report; Hugging Face `modeling_gemma3`, mlx-lm `gemma3_text.py`):
+//!   QK-norm, four RMSNorms per block, gelu-tanh MLP, tied embeddings scaled by sqrt(hidden),
+//!   sliding-window layers with their own RoPE base, every sixth layer global. GGUF files
+//!   written by llama.cpp store its norm weights already shifted by one (`x · w`).
+//! - Llama (2, 3, 3.x): two RMSNorms per block, SiLU MLP, every layer global. llama.cpp's
+//!   converter permutes the Q and K rows so that RoPE rotates adjacent pairs (2i, 2i+1)
+//!   (llama.cpp's "normal" RoPE); Llama 3.1+ files carry `rope_freqs.weight`, factors that
+//!   divide the RoPE frequencies.
+//! - Qwen 3: Llama's block plus QK-norm, RoPE over the two halves of each head (NeoX).
 
 use crate::gguf::{q5_0_as_q8_0, GgufFile};
 use crate::q8::{Linear, Projections};
 use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
+
+/// The architectures this decoder runs (`general.architecture` in GGUF).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Gemma3,
+    Llama,
+    Qwen3,
+}
+
+impl Arch {
+    pub fn from_name(name: &str) -> Option<Arch> {
+        match name {
+            "gemma3" => Some(Arch::Gemma3),
+            "llama" => Some(Arch::Llama),
+            "qwen3" => Some(Arch::Qwen3),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Gemma3 => "gemma3",
+            Arch::Llama => "llama",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+
+    /// RMSNorm of each head's queries and keys before RoPE.
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Arch::Gemma3 | Arch::Qwen3)
+    }
+
+    /// RMSNorms on the attention and MLP outputs, before the residual adds.
+    pub fn post_norms(self) -> bool {
+        self == Arch::Gemma3
+    }
+
+    /// Token embeddings multiplied by sqrt(hidden).
+    pub fn embed_scale(self) -> bool {
+        self == Arch::Gemma3
+    }
+
+    /// gelu-tanh gate (else SiLU).
+    pub fn gelu(self) -> bool {
+        self == Arch::Gemma3
+    }
+
+    /// RoPE over adjacent pairs (2i, 2i+1) rather than the halves (i, i + d/2).
+    pub fn rope_interleaved(self) -> bool {
+        self == Arch::Llama
+    }
+}
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
@@ -18,7 +76,8 @@ use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
 
 /// Hyperparameters, from GGUF metadata where present.
 #[derive(Debug, Clone)]
-pub struct Gemma3Config {
+pub struct DecoderConfig {
+    pub arch: Arch,
     pub hidden: usize,
     pub layers: usize,
     pub heads: usize,
@@ -29,7 +88,8 @@ pub struct Gemma3Config {
     pub rms_eps: f64,
     pub rope_base_global: f32,
     pub rope_base_local: f32,
-    pub sliding_window: usize,
+    /// Window of the sliding layers (Gemma 3); `None`: every layer is global.
+    pub sliding_window: Option<usize>,
     /// Every `sliding_pattern`-th layer (1-based) is global.
     pub sliding_pattern: usize,
     pub query_pre_attn_scalar: f64,
@@ -42,15 +102,17 @@ pub struct Gemma3Config {
 pub const DEFAULT_SLIDING_PATTERN: usize = 6;
 pub const DEFAULT_ROPE_BASE_LOCAL: f32 = 10_000.0;
 
-impl Gemma3Config {
-    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
-        let key = |k: &str| format!("gemma3.{k}");
+impl DecoderConfig {
+    pub fn from_gguf(g: &GgufFile, arch: Arch) -> Result<Self, ModelError> {
+        let key = |k: &str| format!("{}.{k}", arch.name());
         let u = |k: &str| g.u32(&key(k)).map(|x| x as usize);
         let heads = u("attention.head_count")?;
         let hidden = u("embedding_length")?;
         let head_dim = u("attention.key_length").unwrap_or(hidden / heads);
         let vocab = g.array("tokenizer.ggml.tokens").map(|a| a.len())?;
-        Ok(Gemma3Config {
+        let gemma = arch == Arch::Gemma3;
+        Ok(DecoderConfig {
+            arch,
             hidden,
             layers: u("block_count")?,
             heads,
@@ -61,9 +123,13 @@ impl Gemma3Config {
             rms_eps: g
                 .f32(&key("attention.layer_norm_rms_epsilon"))
                 .unwrap_or(1e-6) as f64,
-            rope_base_global: g.f32(&key("rope.freq_base")).unwrap_or(1_000_000.0),
+            rope_base_global: g.f32(&key("rope.freq_base")).unwrap_or(if gemma {
+                1_000_000.0
+            } else {
+                10_000.0
+            }),
             rope_base_local: DEFAULT_ROPE_BASE_LOCAL,
-            sliding_window: u("attention.sliding_window").unwrap_or(512),
+            sliding_window: gemma.then(|| u("attention.sliding_window").unwrap_or(512)),
             sliding_pattern: DEFAULT_SLIDING_PATTERN,
             query_pre_attn_scalar: head_dim as f64,
             context_length: u("context_length").unwrap_or(32768),
@@ -72,7 +138,7 @@ impl Gemma3Config {
     }
 
     pub fn is_sliding(&self, layer: usize) -> bool {
-        (layer + 1) % self.sliding_pattern != 0
+        self.sliding_window.is_some() && (layer + 1) % self.sliding_pattern != 0
     }
 
     pub fn layer_specs(&self) -> Vec<LayerSpec> {
@@ -81,13 +147,22 @@ impl Gemma3Config {
                 kv_heads: self.kv_heads,
                 head_dim: self.head_dim,
                 value_dim: self.value_dim,
-                retention: if self.is_sliding(i) {
-                    Retention::Window {
-                        size: self.sliding_window,
-                    }
-                } else {
-                    Retention::Full
+                retention: match self.sliding_window {
+                    Some(size) if self.is_sliding(i) => Retention::Window { size },
+                    _ => Retention::Full,
                 },
+            })
+            .collect()
+    }
+
+    /// RoPE inverse frequencies for `base`, each divided by its factor where the file
+    /// carries them.
+    fn inverse_frequencies(&self, base: f32, factors: Option<&[f32]>) -> Vec<f64> {
+        let half = self.head_dim / 2;
+        (0..half)
+            .map(|i| {
+                let f = (base as f64).powf(-((2 * i) as f64) / self.head_dim as f64);
+                f / factors.map_or(1.0, |x| x[i] as f64)
             })
             .collect()
     }
@@ -111,26 +186,24 @@ impl RmsNorm {
 pub(crate) struct Rope {
     cos: Tensor,
     sin: Tensor,
+    interleaved: bool,
 }
 
 impl Rope {
     /// `positions[row][i]` is the RoPE position of token `i` of row `row`.
     fn new(
         positions: &[Vec<usize>],
-        head_dim: usize,
-        base: f32,
+        inv: &[f64],
+        interleaved: bool,
         device: &Device,
     ) -> candle_core::Result<Self> {
-        let half = head_dim / 2;
-        let inv: Vec<f64> = (0..half)
-            .map(|i| (base as f64).powf(-((2 * i) as f64) / head_dim as f64))
-            .collect();
+        let half = inv.len();
         let (b, n) = (positions.len(), positions[0].len());
         let mut cos = Vec::with_capacity(b * n * half);
         let mut sin = Vec::with_capacity(b * n * half);
         for row in positions {
             for &p in row {
-                for &f in &inv {
+                for &f in inv {
                     let a = p as f64 * f;
                     cos.push(a.cos() as f32);
                     sin.push(a.sin() as f32);
@@ -140,11 +213,17 @@ impl Rope {
         Ok(Rope {
             cos: Tensor::from_vec(cos, (b, n, half), device)?,
             sin: Tensor::from_vec(sin, (b, n, half), device)?,
+            interleaved,
         })
     }
 
     fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::rotary_emb::rope(&x.contiguous()?, &self.cos, &self.sin)
+        let x = x.contiguous()?;
+        if self.interleaved {
+            candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)
+        } else {
+            candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)
+        }
     }
 }
 
@@ -152,8 +231,8 @@ struct Attention {
     /// Query, key and value projections, stacked into one matmul where possible.
     qkv: Projections,
     o: Linear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
+    /// Per-head RMSNorms of queries and keys, where the architecture has them.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -178,9 +257,15 @@ impl Attention {
         let q = split(q, self.heads, self.head_dim)?;
         let k = split(k, self.kv_heads, self.head_dim)?;
         let v = split(v, self.kv_heads, self.value_dim)?;
-        let q = rope.apply(&self.q_norm.forward(&q)?)?;
-        let k = rope.apply(&self.k_norm.forward(&k)?)?;
-        Ok(Projected { q, k, v })
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
+        Ok(Projected {
+            q: rope.apply(&q)?,
+            k: rope.apply(&k)?,
+            v,
+        })
     }
 
     fn output(&self, attended: &Tensor) -> candle_core::Result<Tensor> {
@@ -214,7 +299,8 @@ struct Mlp {
     /// Gate and up projections, stacked into one matmul where possible.
     gate_up: Projections,
     down: Linear,
-    activation: MlpActivation,
+    /// gelu-tanh (else SiLU).
+    gelu: bool,
 }
 
 impl Mlp {
@@ -224,9 +310,10 @@ impl Mlp {
             .forward(x)?
             .try_into()
             .expect("two projections");
-        let gate = match self.activation {
-            MlpActivation::Architecture => crate::activation::gelu_tanh(&gate)?,
-            MlpActivation::Silu => candle_nn::ops::silu(&gate)?,
+        let gate = if self.gelu {
+            crate::activation::gelu_tanh(&gate)?
+        } else {
+            candle_nn::ops::silu(&gate)?
         };
         self.down.forward(&(gate * up)?)
     }
@@ -235,10 +322,10 @@ impl Mlp {
 struct Block {
     attn_norm: RmsNorm,
     attn: Attention,
-    post_attn_norm: RmsNorm,
     ffn_norm: RmsNorm,
     mlp: Mlp,
-    post_ffn_norm: RmsNorm,
+    /// Norms of the attention and MLP outputs, where the architecture has them.
+    post_norms: Option<(RmsNorm, RmsNorm)>,
     sliding: bool,
 }
 
@@ -250,18 +337,27 @@ impl Block {
         x: &Tensor,
         attend: impl FnOnce(&Tensor) -> Result<Tensor, ModelError>,
     ) -> Result<Tensor, ModelError> {
+        let post = |h: Tensor, i: usize| -> candle_core::Result<Tensor> {
+            match &self.post_norms {
+                Some(norms) => [&norms.0, &norms.1][i].forward(&h),
+                None => Ok(h),
+            }
+        };
         let h = attend(&self.attn_norm.forward(x)?)?;
-        let x = (x + self.post_attn_norm.forward(&h)?)?;
+        let x = (x + post(h, 0)?)?;
         let h = self.mlp.forward(&self.ffn_norm.forward(&x)?)?;
-        Ok((x + self.post_ffn_norm.forward(&h)?)?)
+        Ok((x + post(h, 1)?)?)
     }
 }
 
 // ---------------------------------------------------------------------------------------
 // Model
 
-pub struct Gemma3 {
-    config: Gemma3Config,
+pub struct Decoder {
+    config: DecoderConfig,
+    /// RoPE inverse frequencies of the sliding (local) and global layers.
+    rope_local: Vec<f64>,
+    rope_global: Vec<f64>,
     /// Token embeddings, unless the tied output layer's repacked rows serve lookups.
     embed: Option<QTensor>,
     output: Linear,
@@ -270,13 +366,14 @@ pub struct Gemma3 {
     device: Device,
 }
 
-impl Gemma3 {
+impl Decoder {
     pub fn load(
         g: &mut GgufFile,
+        arch: Arch,
         options: &LoadOptions,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        let c = Gemma3Config::from_gguf(g)?;
+        let c = DecoderConfig::from_gguf(g, arch)?;
         let eps = c.rms_eps as f32;
         let matrix = |g: &mut GgufFile,
                       name: String,
@@ -300,6 +397,22 @@ impl Gemma3 {
         let mut blocks = Vec::with_capacity(c.layers);
         for i in 0..c.layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let qk_norm = if arch.qk_norm() {
+                Some((
+                    norm(g, p("attn_q_norm"), c.head_dim)?,
+                    norm(g, p("attn_k_norm"), c.head_dim)?,
+                ))
+            } else {
+                None
+            };
+            let post_norms = if arch.post_norms() {
+                Some((
+                    norm(g, p("post_attention_norm"), c.hidden)?,
+                    norm(g, p("post_ffw_norm"), c.hidden)?,
+                ))
+            } else {
+                None
+            };
             let attn = Attention {
                 qkv: Projections::new(vec![
                     matrix(g, p("attn_q"), c.heads * c.head_dim, c.hidden)?,
@@ -307,8 +420,7 @@ impl Gemma3 {
                     matrix(g, p("attn_v"), c.kv_heads * c.value_dim, c.hidden)?,
                 ]),
                 o: matrix(g, p("attn_output"), c.hidden, c.heads * c.value_dim)?,
-                q_norm: norm(g, p("attn_q_norm"), c.head_dim)?,
-                k_norm: norm(g, p("attn_k_norm"), c.head_dim)?,
+                qk_norm,
                 heads: c.heads,
                 kv_heads: c.kv_heads,
                 head_dim: c.head_dim,
@@ -318,7 +430,6 @@ impl Gemma3 {
             blocks.push(Block {
                 attn_norm: norm(g, p("attn_norm"), c.hidden)?,
                 attn,
-                post_attn_norm: norm(g, p("post_attention_norm"), c.hidden)?,
                 ffn_norm: norm(g, p("ffn_norm"), c.hidden)?,
                 mlp: Mlp {
                     gate_up: Projections::new(vec![
@@ -326,9 +437,12 @@ impl Gemma3 {
                         matrix(g, p("ffn_up"), c.ffn, c.hidden)?,
                     ]),
                     down: matrix(g, p("ffn_down"), c.hidden, c.ffn)?,
-                    activation: options.mlp_activation,
+                    gelu: match options.mlp_activation {
+                        MlpActivation::Architecture => arch.gelu(),
+                        MlpActivation::Silu => false,
+                    },
                 },
-                post_ffn_norm: norm(g, p("post_ffw_norm"), c.hidden)?,
+                post_norms,
                 sliding: c.is_sliding(i),
             });
         }
@@ -347,7 +461,16 @@ impl Gemma3 {
             (Linear::Q8(_), true) => None,
             _ => Some(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?),
         };
-        Ok(Gemma3 {
+        // Llama 3.1+ files carry RoPE frequency factors (one per rotated pair).
+        let factors = if g.has_tensor("rope_freqs.weight") {
+            let t = g.tensor("rope_freqs.weight", &[c.head_dim / 2], &Device::Cpu)?;
+            Some(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
+        } else {
+            None
+        };
+        Ok(Decoder {
+            rope_local: c.inverse_frequencies(c.rope_base_local, factors.as_deref()),
+            rope_global: c.inverse_frequencies(c.rope_base_global, factors.as_deref()),
             config: c,
             embed,
             output,
@@ -357,7 +480,7 @@ impl Gemma3 {
         })
     }
 
-    pub fn config(&self) -> &Gemma3Config {
+    pub fn config(&self) -> &DecoderConfig {
         &self.config
     }
 
@@ -384,14 +507,17 @@ impl Gemma3 {
                 unreachable!("embeddings are kept unless the Q8 output serves them")
             }
         };
+        if !self.config.arch.embed_scale() {
+            return Ok(x);
+        }
         Ok((x * (self.config.hidden as f64).sqrt())?)
     }
 
     fn ropes(&self, positions: &[Vec<usize>]) -> candle_core::Result<(Rope, Rope)> {
-        let c = &self.config;
+        let pairs = self.config.arch.rope_interleaved();
         Ok((
-            Rope::new(positions, c.head_dim, c.rope_base_local, &self.device)?,
-            Rope::new(positions, c.head_dim, c.rope_base_global, &self.device)?,
+            Rope::new(positions, &self.rope_local, pairs, &self.device)?,
+            Rope::new(positions, &self.rope_global, pairs, &self.device)?,
         ))
     }
 
@@ -451,7 +577,7 @@ impl Gemma3 {
         let mut x = self.embed(&ids)?;
         for block in &self.blocks {
             let (rope, window) = if block.sliding {
-                (&local, Some(self.config.sliding_window))
+                (&local, self.config.sliding_window)
             } else {
                 (&global, None)
             };
