@@ -11,8 +11,11 @@ use tessera_models::{GgufFile, Tokenizer};
 const SDIST: &str = "llama-cpp-python==0.3.36";
 const VOCABS: [&str; 2] = ["ggml-vocab-llama-bpe.gguf", "ggml-vocab-qwen2.gguf"];
 
-/// The directory holding the vocabularies and their test files, fetched if missing.
+/// The directory holding the vocabularies and their test files, fetched if missing (once:
+/// the tests of this file run on parallel threads).
 fn vocab_dir() -> PathBuf {
+    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tessera_engine::store::tessera_home().join("vocab");
     let have = |d: &Path| {
         VOCABS.iter().all(|v| {

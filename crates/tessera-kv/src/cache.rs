@@ -222,12 +222,12 @@ impl LayerCache {
         }
     }
 
-    /// On the first append, moves the (still empty) storage onto the appends' device when
-    /// that is not the CPU: the installed backend's planes for the current stage, after
-    /// checking it also serves the target codec, so an unsupported one fails here rather
-    /// than at conversion.
+    /// On the first append, moves the (still empty) storage into the installed device
+    /// backend's planes when it serves the appends' device (never the CPU in the engine):
+    /// planes for the current stage, after checking it also serves the target codec, so an
+    /// unsupported one fails here rather than at conversion.
     fn bind_device(&mut self, device: &Device) -> Result<(), KvError> {
-        if device.is_cpu() || !matches!(&self.planes, Planes::Plain(p) if p.capacity() == 0) {
+        if !matches!(&self.planes, Planes::Plain(p) if p.capacity() == 0) {
             return Ok(());
         }
         if let Some(target) = self.target {

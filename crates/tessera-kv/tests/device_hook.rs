@@ -1,0 +1,296 @@
+//! The device-planes hook, exercised on the CPU: an emulated device backend (host memory,
+//! the codecs' own rounding, a plain f64 attention for its decode read) is installed, so
+//! every layer cache of this test process stores its positions through `DevicePlanes`,
+//! as a GPU backend's would. The same appends go to a cache that keeps its own host planes
+//! (the host backend serves only the device it is told to) and every read must agree:
+//! binding on first use, the bf16-first conversion (also inside a decode step, whose read
+//! uses the retired bf16 planes), rings that wrap, padded rows whose slots split in two
+//! (the dense fallback), byte accounting and signatures. The GPU backend itself is tested
+//! on the device (tessera-kernels' kv-cache-parity).
+
+use candle_core::{DType, Device, Tensor};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tessera_kv::affine_planes::AffinePlanes;
+use tessera_kv::device::{DeviceBackend, DevicePlanes, PlaneGeometry};
+use tessera_kv::{
+    grown_capacity, AttentionCache, Codec, KvCache, KvError, KvScheme, LayerSpec, PlainDType,
+    Retention,
+};
+
+/// Fused decode reads the emulated device served, and its writes.
+static DECODES: AtomicUsize = AtomicUsize::new(0);
+static WRITES: AtomicUsize = AtomicUsize::new(0);
+
+/// Serves `Device::Cpu` only when `EMULATE` is set for the calling thread's cache.
+struct HostBackend;
+
+thread_local! {
+    static EMULATE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl DeviceBackend for HostBackend {
+    fn planes(
+        &self,
+        codec: Codec,
+        geometry: PlaneGeometry,
+        _device: &Device,
+    ) -> Result<Option<Box<dyn DevicePlanes>>, KvError> {
+        if !EMULATE.with(|e| e.get()) {
+            return Ok(None);
+        }
+        match codec {
+            Codec::Plain(PlainDType::Bf16) | Codec::Affine { .. } => {
+                Ok(Some(Box::new(HostPlanes {
+                    codec,
+                    g: geometry,
+                    capacity: 0,
+                    k: Vec::new(),
+                    v: Vec::new(),
+                })))
+            }
+            _ => Err(KvError::DeviceCodec {
+                codec: codec.to_string(),
+                device: "emulated".into(),
+                reason: "not emulated".into(),
+            }),
+        }
+    }
+}
+
+/// Positions kept as the f32 values a read of the codec returns, `(rows·heads, cap, dim)`.
+#[derive(Debug)]
+struct HostPlanes {
+    codec: Codec,
+    g: PlaneGeometry,
+    capacity: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl HostPlanes {
+    fn round(&self, x: &Tensor) -> Result<Vec<f32>, KvError> {
+        let (b, h, _, d) = x.dims4()?;
+        let stored = match self.codec {
+            Codec::Affine { bits, group } => {
+                AffinePlanes::new(bits, group as usize, b, h, d, d).as_stored(x)?
+            }
+            _ => x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
+        };
+        Ok(stored.flatten_all()?.to_vec1()?)
+    }
+}
+
+impl DevicePlanes for HostPlanes {
+    fn codec(&self) -> Codec {
+        self.codec
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn reserve(&mut self, slots: usize, limit: usize) -> Result<(), KvError> {
+        if slots <= self.capacity {
+            return Ok(());
+        }
+        let cap = grown_capacity(slots, limit);
+        let (blocks, d) = (self.g.rows * self.g.heads, self.g.head_dim);
+        for plane in [&mut self.k, &mut self.v] {
+            let mut grown = vec![0f32; blocks * cap * d];
+            for b in 0..blocks {
+                let old = &plane[b * self.capacity * d..(b + 1) * self.capacity * d];
+                grown[b * cap * d..][..old.len()].copy_from_slice(old);
+            }
+            *plane = grown;
+        }
+        self.capacity = cap;
+        Ok(())
+    }
+
+    fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+        WRITES.fetch_add(1, Ordering::Relaxed);
+        let n = k.dims()[2];
+        let (kx, vx) = (self.round(k)?, self.round(v)?);
+        let (blocks, d, cap) = (self.g.rows * self.g.heads, self.g.head_dim, self.capacity);
+        for (plane, x) in [(&mut self.k, kx), (&mut self.v, vx)] {
+            for b in 0..blocks {
+                for i in 0..n {
+                    plane[(b * cap + slot + i) * d..][..d]
+                        .copy_from_slice(&x[(b * n + i) * d..][..d]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
+        let (blocks, d, cap) = (self.g.rows * self.g.heads, self.g.head_dim, self.capacity);
+        let take = |plane: &Vec<f32>| -> Result<Tensor, KvError> {
+            let mut out = Vec::with_capacity(blocks * len * d);
+            for b in 0..blocks {
+                out.extend_from_slice(&plane[(b * cap + slot) * d..][..len * d]);
+            }
+            Ok(Tensor::from_vec(
+                out,
+                (self.g.rows, self.g.heads, len, d),
+                &Device::Cpu,
+            )?)
+        };
+        Ok((take(&self.k)?, take(&self.v)?))
+    }
+
+    fn as_stored(&self, x: &Tensor, _keys: bool) -> Result<Tensor, KvError> {
+        Ok(Tensor::from_vec(self.round(x)?, x.dims(), &Device::Cpu)?)
+    }
+
+    fn decode(&self, q: &Tensor, spans: &[(usize, usize)], scale: f32) -> Result<Tensor, KvError> {
+        DECODES.fetch_add(1, Ordering::Relaxed);
+        let (b, qh, _, d) = q.dims4()?;
+        let group = qh / self.g.heads;
+        let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
+        let mut out = vec![0f32; b * qh * d];
+        for (r, &(lo, hi)) in spans.iter().enumerate() {
+            for h in 0..qh {
+                let block = (r * self.g.heads + h / group) * self.capacity;
+                let qrow = &qv[(r * qh + h) * d..][..d];
+                let scores: Vec<f64> = (lo..hi)
+                    .map(|s| {
+                        let key = &self.k[(block + s) * d..][..d];
+                        scale as f64
+                            * qrow
+                                .iter()
+                                .zip(key)
+                                .map(|(a, b)| (a * b) as f64)
+                                .sum::<f64>()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for (w, s) in weights.iter().zip(lo..hi) {
+                    let value = &self.v[(block + s) * d..][..d];
+                    for (o, x) in out[(r * qh + h) * d..][..d].iter_mut().zip(value) {
+                        *o += (w / total * *x as f64) as f32;
+                    }
+                }
+            }
+        }
+        Ok(Tensor::from_vec(out, (b, qh, 1, d), &Device::Cpu)?)
+    }
+
+    fn allocated_bytes(&self) -> usize {
+        4 * (self.k.len() + self.v.len())
+    }
+
+    fn bytes_per_position(&self) -> usize {
+        let d = self.g.head_dim;
+        let per = match self.codec {
+            Codec::Affine { bits, group } => d * bits as usize / 8 + 4 * d / group as usize,
+            _ => 2 * d,
+        };
+        2 * self.g.heads * per
+    }
+}
+
+fn random(shape: &[usize], seed: u64) -> Tensor {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+    a.iter()
+        .zip(&b)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+#[test]
+fn device_planes_read_as_the_host_cache_does() {
+    tessera_kv::device::install(Box::new(HostBackend));
+    let specs = [
+        LayerSpec {
+            kv_heads: 2,
+            head_dim: 64,
+            value_dim: 64,
+            retention: Retention::Full,
+        },
+        LayerSpec {
+            kv_heads: 2,
+            head_dim: 64,
+            value_dim: 64,
+            retention: Retention::Window { size: 8 },
+        },
+    ];
+    // Prefill 6, decode 10 (the ring wraps), a chunk of 4, decode 8.
+    let steps: Vec<usize> = [vec![6], vec![1; 10], vec![4], vec![1; 8]].concat();
+    for codec in [
+        Codec::Plain(PlainDType::Bf16),
+        Codec::Affine { bits: 4, group: 32 },
+        Codec::Affine { bits: 8, group: 64 },
+    ] {
+        // 0: converts on the first append; 8: inside a decode step.
+        for start in [0, 8] {
+            let scheme = KvScheme {
+                quantized_kv_start: start,
+                ..KvScheme::uniform(codec)
+            };
+            let pads = vec![0, 3];
+            let mut host = KvCache::new(&specs, &scheme, pads.clone()).unwrap();
+            EMULATE.with(|e| e.set(true));
+            let mut dev = KvCache::new(&specs, &scheme, pads).unwrap();
+            let decodes = DECODES.load(Ordering::Relaxed);
+            let mut seed = 0;
+            for &n in &steps {
+                for l in 0..specs.len() {
+                    seed += 3;
+                    let k = random(&[2, 2, n, 64], seed);
+                    let v = random(&[2, 2, n, 64], seed + 1);
+                    let q = random(&[2, 4, n, 64], seed + 2);
+                    EMULATE.with(|e| e.set(false));
+                    let want = host.layer_mut(l).append_window(&k, &v).unwrap();
+                    let want = want.attend(&q, 0.125).unwrap();
+                    EMULATE.with(|e| e.set(true));
+                    let got = dev.layer_mut(l).append_window(&k, &v).unwrap();
+                    let got = got.attend(&q, 0.125).unwrap();
+                    let diff = max_diff(&got, &want);
+                    assert!(
+                        diff < 1e-4,
+                        "{codec} start {start} layer {l} n {n}: differs by {diff}"
+                    );
+                }
+            }
+            EMULATE.with(|e| e.set(false));
+            assert!(
+                DECODES.load(Ordering::Relaxed) > decodes,
+                "{codec}: decode steps went through the device's read"
+            );
+            assert_eq!(host.signatures(), dev.signatures(), "{codec}");
+            assert_eq!(host.bytes_per_token(), dev.bytes_per_token(), "{codec}");
+            assert!(WRITES.load(Ordering::Relaxed) > 0);
+        }
+    }
+    // A codec the device does not serve is refused on first use, naming it.
+    EMULATE.with(|e| e.set(true));
+    let mut dev = KvCache::new(&specs[..1], &KvScheme::parse("turbo:4").unwrap(), vec![0]).unwrap();
+    let k = random(&[1, 2, 2, 64], 1);
+    let err = dev
+        .layer_mut(0)
+        .append_window(&k, &k)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("turbo:4:4") && err.contains("emulated"),
+        "{err}"
+    );
+    EMULATE.with(|e| e.set(false));
+}
