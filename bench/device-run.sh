@@ -7,6 +7,7 @@
 #   e2eglobal  synthetic gemma3-270m, batch 16, depth 32k, affine:4 on the global layers only
 #   profile the same with TESSERA_KV_PROFILE=1 (synchronized cache write / read times)
 #   e2e12b  the same for a synthetic gemma3-12b, batch 1
+#   e2e8b   synthetic Llama-3-8B (every layer global): batch 1 and 16 at 32k, batch 1 at 128k
 #   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
 #   real    tessera bench on the staged real Gemma 3 270M file ($STAGED)
 #   realeval  eval (decode regime) of the staged file, --device cpu vs cuda
@@ -54,6 +55,12 @@ for step in "$@"; do
         $T bench --model /tmp/gemma3-12b.gguf --device cuda --kv $kv --depth 32768 \
           --gen-tokens 32 --prompt-tokens 2048 --repeat 1 --batch 1 2>&1 | tee -a $OUT/e2e-12b.txt
       done ;;
+    e2e8b)
+      log e2e8b; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      for run in "1 32768" "16 32768" "1 130000"; do set -- $run; for kv in bf16 affine:4; do
+        $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
+          --gen-tokens 32 --prompt-tokens 2048 --repeat 1 --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
+      done; done ;;
     stage)
       mkdir -p $(dirname $STAGED)
       for f in .device/stage/s*; do
