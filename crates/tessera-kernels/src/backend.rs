@@ -41,12 +41,9 @@ fn timed<R>(kernels: &Kernels, op: usize, f: impl FnOnce() -> R) -> R {
     if !profiling() {
         return f();
     }
+    // A failed synchronize surfaces again at the next launch; the timing just goes on.
     let sync = || {
-        kernels
-            .read
-            .stream
-            .synchronize()
-            .expect("stream synchronize")
+        let _ = kernels.read.stream.synchronize();
     };
     sync();
     let t = Instant::now();
@@ -229,7 +226,7 @@ fn grid(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems((n.clamp(1, 1 << 22)) as u32)
 }
 
-/// `t` as f32 on the device, contiguous, and the offset of its first element.
+/// `t` as f32 on the device, contiguous (its storage may still start at an offset).
 fn f32_storage(t: &Tensor) -> Result<Tensor, KvError> {
     Ok(t.to_dtype(DType::F32)?.contiguous()?)
 }
