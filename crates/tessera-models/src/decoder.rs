@@ -15,6 +15,9 @@
 use crate::gguf::{q5_0_as_q8_0, GgufFile};
 use crate::q8::{Linear, Projections};
 use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
 
 /// The architectures this decoder runs (`general.architecture` in GGUF).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,9 +70,6 @@ impl Arch {
         self == Arch::Llama
     }
 }
-use candle_core::quantized::QTensor;
-use candle_core::{Device, Tensor};
-use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
 
 // ---------------------------------------------------------------------------------------
 // Config
