@@ -6,12 +6,17 @@
 #   e2e     tessera bench --device cuda, synthetic gemma3-270m, depth 32k, batch 1 and 16
 #   e2eglobal  synthetic gemma3-270m, batch 16, depth 32k, affine:4 on the global layers only
 #   profile the same with TESSERA_KV_PROFILE=1 (synchronized cache write / read times)
+#   profile8b  the synthetic Llama-3-8B, batch 1, depth 32k, with TESSERA_KV_PROFILE=1
 #   e2e12b  the same for a synthetic gemma3-12b, batch 1
 #   e2e8b   synthetic Llama-3-8B (every layer global): batch 1 and 16 at 32k, batch 1 at 128k
+#           (E2E8B_RUNS: "BATCH:DEPTH ..." instead)
 #   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
 #   real    tessera bench on the staged real Gemma 3 270M file ($STAGED)
 #   realeval  eval (decode regime) of the staged file, --device cpu vs cuda
-#   reads   kv-read-bench time (our decode read) and torch SDPA
+#   reads   kv-read-bench parity and time (our decode read; READS_FILTER: +TEXT filters) and
+#           torch SDPA
+#   variants  decode-read kernel variants at 32k tokens, then the folded ones again under each
+#           VARIANT_DEFINES entry (NAME:VALUE, a #define)
 set -u
 NV=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
 export LD_LIBRARY_PATH=$NV:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
@@ -49,6 +54,12 @@ for step in "$@"; do
         TESSERA_KV_PROFILE=1 $T bench --model /tmp/gemma3-270m.gguf --device cuda --kv $kv --depth 32768 \
           --gen-tokens 256 --prompt-tokens 512 --repeat 1 --batch 16 2>&1 | tee -a $OUT/profile.txt
       done ;;
+    profile8b)
+      log profile8b; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      for kv in bf16 affine:4; do
+        TESSERA_KV_PROFILE=1 $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth 32768 \
+          --gen-tokens 160 --prompt-tokens 512 --repeat 1 --batch 1 2>&1 | tee -a $OUT/profile-8b.txt
+      done ;;
     e2e12b)
       log e2e12b; synth gemma3-12b
       for kv in bf16 affine:4; do
@@ -57,7 +68,7 @@ for step in "$@"; do
       done ;;
     e2e8b)
       log e2e8b; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
-      for run in "1 32768" "16 32768" "1 130000"; do set -- $run; for kv in bf16 affine:4; do
+      for run in ${E2E8B_RUNS:-1:32768 16:32768 1:130000}; do set -- ${run/:/ }; for kv in bf16 affine:4; do
         $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
           --gen-tokens 32 --prompt-tokens 2048 --repeat 1 --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
       done; done ;;
@@ -78,8 +89,17 @@ for step in "$@"; do
         $T eval --model $STAGED --device $dev --text .device/text.txt \
           --kv bf16,affine:8,affine:4 --prefill 256 --tokens 256 2>&1 | tee $OUT/eval-real-$dev.txt
       done ;;
-    reads) log reads; $B/kv-read-bench parity copy time 2>&1 | tee $OUT/reads.txt
+    reads) log reads; $B/kv-read-bench parity copy time ${READS_FILTER:-} 2>&1 | tee $OUT/reads.txt
            python3 bench/sdpa_decode.py 2>&1 | tee -a $OUT/reads.txt ;;
+    variants)
+      # The folded affine kernel against the older tensor-core one, and its compile-time
+      # knobs, on the shapes the acceptance names (32k tokens).
+      log variants
+      $B/kv-read-bench copy time +affine +n32768 2>&1 | tee $OUT/variants.txt
+      for defs in ${VARIANT_DEFINES:-}; do
+        echo "-- TESSERA_KERNEL_DEFINES=${defs//:/ }" | tee -a $OUT/variants.txt
+        TESSERA_KERNEL_DEFINES="#define ${defs//:/ }" $B/kv-read-bench time +Folded +n32768 2>&1 | tee -a $OUT/variants.txt
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -298,7 +298,9 @@ impl CudaPlanes {
                 .arg(&slot)
                 .arg(&bits)
                 .arg(&group);
-            unsafe { l.launch(grid(b * h * n as usize * per_row))? };
+            // bf16: a thread per word; affine: a warp per group.
+            let lanes = if bits == 0 { 1 } else { 32 };
+            unsafe { l.launch(grid(b * h * n as usize * per_row * lanes))? };
             Ok(())
         })
     }

@@ -81,10 +81,34 @@ pub enum Variant {
     Simt,
     /// Tensor cores (mma.m16n8k16) for scores and values: bf16 and 4/8-bit affine rows.
     TensorCore,
+    /// Tensor cores on raw affine codes, each row's scale and bias applied per group
+    /// outside the mma, stored rows as the mma's M (4-bit rows with groups of 64 or more,
+    /// 8-bit rows; d ≤ 128).
+    Folded,
 }
 
-/// (simt partial, tensor-core partial if the codec has one, merge).
-type Kernels = (CudaFunction, Option<CudaFunction>, CudaFunction);
+impl Variant {
+    pub const ALL: [Variant; 3] = [Variant::Simt, Variant::TensorCore, Variant::Folded];
+}
+
+/// The partial kernels of one configuration (those the codec has) and the merge.
+#[derive(Clone)]
+struct Kernels {
+    simt: CudaFunction,
+    tc: Option<CudaFunction>,
+    folded: Option<CudaFunction>,
+    merge: CudaFunction,
+}
+
+impl Kernels {
+    fn partial(&self, variant: Variant) -> Option<&CudaFunction> {
+        match variant {
+            Variant::Simt => Some(&self.simt),
+            Variant::TensorCore => self.tc.as_ref(),
+            Variant::Folded => self.folded.as_ref(),
+        }
+    }
+}
 
 /// The decode read's kernels on one stream, compiled on first use per configuration.
 pub struct DecodeRead {
@@ -176,11 +200,21 @@ impl DecodeRead {
             }
             GpuCodec::Affine { .. } => None,
         };
-        let k = (
-            module.load_function("kv_decode_partial")?,
+        // A folded lane reads (group · bits / 8) / 8 bytes of a value row per group: whole
+        // words. Rows of 256 would hold too many registers (two tiles in flight).
+        let foldable = matches!(codec, GpuCodec::Affine { bits, group }
+            if (group * bits as usize / 8) % 32 == 0 && group <= d && d <= 128);
+        let folded = if foldable {
+            Some(module.load_function("kv_decode_partial_fold")?)
+        } else {
+            None
+        };
+        let k = Kernels {
+            simt: module.load_function("kv_decode_partial")?,
             tc,
-            module.load_function("kv_decode_merge")?,
-        );
+            folded,
+            merge: module.load_function("kv_decode_merge")?,
+        };
         map.insert((codec, d, g), k.clone());
         Ok(k)
     }
@@ -259,13 +293,15 @@ impl DecodeRead {
         })
     }
 
-    /// The kernel [`Self::decode`] runs: tensor cores where the codec has them.
+    /// The kernel [`Self::decode`] runs: the folded one where the codec has it, else
+    /// tensor cores, else CUDA cores.
     pub fn default_variant(&self, codec: GpuCodec, d: usize, g: usize) -> Result<Variant> {
-        Ok(if self.has(codec, d, g, Variant::TensorCore)? {
-            Variant::TensorCore
-        } else {
-            Variant::Simt
-        })
+        for variant in [Variant::Folded, Variant::TensorCore] {
+            if self.has(codec, d, g, variant)? {
+                return Ok(variant);
+            }
+        }
+        Ok(Variant::Simt)
     }
 
     /// Scratch for a read's partial states, split for the default kernel.
@@ -282,11 +318,10 @@ impl DecodeRead {
         g: usize,
         max_len: usize,
     ) -> Result<Scratch> {
-        let (simt, tc, _) = self.kernels(planes.codec, planes.d, g)?;
-        let f = match variant {
-            Variant::TensorCore => tc.context("no tensor-core kernel for this codec")?,
-            Variant::Simt => simt,
-        };
+        let kernels = self.kernels(planes.codec, planes.d, g)?;
+        let f = kernels
+            .partial(variant)
+            .with_context(|| format!("no {variant:?} kernel for {}", planes.codec.name()))?;
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)?
             .max(1);
@@ -307,7 +342,7 @@ impl DecodeRead {
 
     /// Whether `variant` exists for this codec.
     pub fn has(&self, codec: GpuCodec, d: usize, g: usize, variant: Variant) -> Result<bool> {
-        Ok(variant == Variant::Simt || self.kernels(codec, d, g)?.1.is_some())
+        Ok(self.kernels(codec, d, g)?.partial(variant).is_some())
     }
 
     /// `out (batch, kv_heads·g, d) = softmax(q·Kᵀ)·V` over positions `[starts[b], ends[b])`
@@ -341,20 +376,16 @@ impl DecodeRead {
         scratch: &mut Scratch,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let (simt, tc, merge) = self.kernels(planes.codec, planes.d, g)?;
-        let partial = match (variant, tc) {
-            (Variant::Simt, _) => simt,
-            (Variant::TensorCore, Some(tc)) => tc,
-            (Variant::TensorCore, None) => {
-                bail!("no tensor-core decode for {}", planes.codec.name())
-            }
+        let kernels = self.kernels(planes.codec, planes.d, g)?;
+        let Some(partial) = kernels.partial(variant) else {
+            bail!("no {variant:?} decode for {}", planes.codec.name())
         };
         let (kv_heads, capacity, chunk) = (
             planes.kv_heads as i32,
             planes.capacity as i32,
             scratch.chunk as i32,
         );
-        let mut b = self.stream.launch_builder(&partial);
+        let mut b = self.stream.launch_builder(partial);
         b.arg(q)
             .arg(&planes.k)
             .arg(&planes.kp)
@@ -378,7 +409,7 @@ impl DecodeRead {
         };
         unsafe { b.launch(cfg)? };
         let splits = scratch.splits as i32;
-        let mut b = self.stream.launch_builder(&merge);
+        let mut b = self.stream.launch_builder(&kernels.merge);
         b.arg(&scratch.ml).arg(&scratch.acc).arg(out).arg(&splits);
         let cfg = LaunchConfig {
             grid_dim: ((planes.kv_heads * g) as u32, planes.batch as u32, 1),

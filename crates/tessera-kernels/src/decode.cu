@@ -604,6 +604,375 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
 }
 #endif
 
+#if (CODEC == 4 || CODEC == 8) && (GROUP * CODEC / 8) % 32 == 0 && GROUP <= D && D <= 128
+// ---------------------------------------------------------------------------------------
+// The folded read (affine rows): the affine transform taken out of the unpack, and the
+// products transposed so every mma is whole.
+// - Folded: the tensor cores multiply raw codes; each row's (scale, bias) is applied per
+//   group outside the mma:
+//     scores  q·k = Σ_group scale·(q·c) + bias·Σq   (one accumulator per group),
+//     values  p·v = Σ_row (p·scale)·c + Σ_row p·bias (the bias sum kept per lane and head).
+//   A code then needs only a mask: under a zero exponent a 4- or 8-bit code c at the
+//   bottom of an f16 half is the subnormal c·2^-24 (the unit); a nibble at bits 4..7 is
+//   16 units, which the matching q elements (keys) or output dims (values) undo.
+//   DENORMAL_CODES 0 puts the codes under the exponent of 1024 instead and subtracts it
+//   (one more instruction each), should subnormal operands ever misbehave.
+// - Transposed: stored rows (and, for P·V, head dims) are the mma's M = 16 and the query
+//   heads its N = 8, so one m16n8k16 covers a tile of 16 rows. (With heads as M, G ≤ 8
+//   of 16 rows were used: twice the mma count, and the unused half's zero accumulators
+//   re-materialized before each one; measured 1.3x slower.)
+//     Sᵀ = K·Qᵀ: A = key codes (rows gid, gid+8; k = head dims), B = Qᵀ, C = rows × heads
+//       (gid | gid+8, 2tq + c).
+//     outᵀ = Vᵀ·(P∘scale)ᵀ: A = value codes (M = 16 head dims, k = 16 rows), B = the
+//       tile's scaled P, moved from C's rows × heads layout to B's by one movmatrix.trans
+//       per 8×8 half.
+// Lane layout: within every group, key lane tq holds GROUP/4 contiguous elements (a k-step
+// never leaves a group, so its accumulator has one scale per row); value lane gid holds
+// BPG = GROUP/8 contiguous codes of each group, and value block (group gr, jb) takes dims
+// gr·GROUP + gid·BPG + 2jb (m = gid) and the next one (m = gid + 8): one byte per row pair.
+#define NG (D / GROUP)
+#define KE (GROUP / 4)
+#define KGW (KE * CODEC / 32)
+#define BPG (GROUP / 8)
+#define VGW (BPG * CODEC / 32)
+#define GROUP_WORDS (GROUP * CODEC / 32)
+#ifndef DENORMAL_CODES
+#define DENORMAL_CODES 1
+#endif
+#if DENORMAL_CODES
+#define UNIT_INV 16777216.f // 2^24
+#else
+#define UNIT_INV 1.f
+#endif
+// Blocks per SM the registers are held to: 4 for 4-bit rows (128 registers; 1.07x faster
+// than 3 at 142); 8-bit tiles spill at 4 and ran 1.5x slower than at 2.
+#ifndef FOLD_MIN_BLOCKS
+#define FOLD_MIN_BLOCKS (CODEC == 4 ? 4 : 2)
+#endif
+
+// Codes under `mask` (one per f16 half) as f16 values c (times the unit).
+__device__ __forceinline__ u32 code_pair(u32 x, u32 mask) {
+#if DENORMAL_CODES
+    return x & mask;
+#else
+    u32 r = (x & mask) | MAGIC;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(MAGIC));
+    return r;
+#endif
+}
+
+__device__ __forceinline__ float lo_f16(u32 x) { return f16_to_f32(x & 0xffff); }
+__device__ __forceinline__ float hi_f16(u32 x) { return f16_to_f32(x >> 16); }
+
+struct FoldTile {
+    u32 kw[2][NG][KGW]; // key rows gid, gid+8
+    u32 vw[4][NG][VGW]; // value rows 2tq, 2tq+1, 2tq+8, 2tq+9
+    u32 kp[2][NG];      // (scale, bias) of key rows gid, gid+8
+    u32 vp[2][NG];      // and of value rows gid, gid+8
+};
+
+struct FoldBase {
+    const u32* k;  // key row gid, this lane's key words
+    const u32* v;  // value row 2tq, this lane's value words
+    const u32* kp; // params of row gid
+    const u32* vp;
+};
+
+// A tile wholly before the split's end: base pointers plus immediate offsets.
+__device__ __forceinline__ void load_fold_full(FoldTile& t, const FoldBase& base, int r0) {
+    const u32* k = base.k + (long)r0 * ROW_WORDS;
+    const u32* v = base.v + (long)r0 * ROW_WORDS;
+    const u32* kp = base.kp + (long)r0 * NG;
+    const u32* vp = base.vp + (long)r0 * NG;
+    const int vrow[4] = {0, 1, 8, 9};
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+#pragma unroll
+        for (int gr = 0; gr < NG; gr++)
+            load_words(t.kw[r][gr], k + 8 * r * ROW_WORDS + gr * GROUP_WORDS);
+        load_words(t.kp[r], kp + 8 * r * NG);
+        load_words(t.vp[r], vp + 8 * r * NG);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int gr = 0; gr < NG; gr++)
+            load_words(t.vw[i][gr], v + vrow[i] * ROW_WORDS + gr * GROUP_WORDS);
+}
+
+// The split's last, partial tile: rows past `hi` read row `lo` (finite codes and
+// parameters; their scores are masked).
+__device__ __forceinline__ void load_fold_tail(FoldTile& t, const u32* __restrict__ kdata,
+                                                const u32* __restrict__ kparams,
+                                                const u32* __restrict__ vdata,
+                                                const u32* __restrict__ vparams,
+                                                long block_rows, int r0, int lo, int hi,
+                                                int gid, int tq) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = r0 + 8 * r + gid;
+        const long at = block_rows + (row < hi ? row : lo);
+#pragma unroll
+        for (int gr = 0; gr < NG; gr++)
+            load_words(t.kw[r][gr], kdata + at * ROW_WORDS + gr * GROUP_WORDS + tq * KGW);
+        load_words(t.kp[r], kparams + at * NG);
+        load_words(t.vp[r], vparams + at * NG);
+    }
+    const int rows[4] = {r0 + 2 * tq, r0 + 2 * tq + 1, r0 + 2 * tq + 8, r0 + 2 * tq + 9};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const long at = block_rows + (rows[i] < hi ? rows[i] : lo);
+#pragma unroll
+        for (int gr = 0; gr < NG; gr++)
+            load_words(t.vw[i][gr], vdata + at * ROW_WORDS + gr * GROUP_WORDS + gid * VGW);
+    }
+}
+
+// d (A rows 0..15 × B columns) += A·B, all four C registers live.
+__device__ __forceinline__ void mma16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                      u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The 8×8 f16 matrix whose row gid, columns 2tq and 2tq+1 this lane holds, transposed
+// (the lane then holds row gid, columns 2tq, 2tq+1 of the transpose).
+__device__ __forceinline__ u32 transpose8(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+#define VBLOCKS (D / 16) // value blocks of 16 dims
+extern "C" __global__ void __launch_bounds__(WARPS * 32, FOLD_MIN_BLOCKS)
+kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdata,
+                        const u32* __restrict__ kparams, const u32* __restrict__ vdata,
+                        const u32* __restrict__ vparams, const int* __restrict__ starts,
+                        const int* __restrict__ ends, int kv_heads, int capacity, int chunk,
+                        float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int gid = lane >> 2, tq = lane & 3;
+    const long block_rows = ((long)b * kv_heads + h) * capacity;
+    const int lo = starts[b] + split * chunk;
+    const int hi = min(ends[b], lo + chunk);
+
+    // Qᵀ as B fragments (column gid = head gid, log2(e) folded in, heads past G zero) in
+    // the key lanes' element order: for 4-bit k-step jj, word jj/2 shifted by 8·(jj%2)
+    // gives elements (e, e+4) at the unit and (e+1, e+5) at 16 units, so those q elements
+    // are taken /16. Σq per group for the heads 2tq, 2tq+1 whose scores this lane's C holds.
+    u32 qb[D / 16][2];
+    float qsum[NG][2];
+    {
+        const bool real = gid < G;
+        const float* qg = q + (((long)b * kv_heads + h) * G + (real ? gid : 0)) * D;
+#pragma unroll
+        for (int gr = 0; gr < NG; gr++) {
+            const float* qe = qg + gr * GROUP + tq * KE;
+            float sum = 0.f;
+#pragma unroll
+            for (int jj = 0; jj < GROUP / 16; jj++) {
+                float x[4];
+#if CODEC == 4
+                const int e = 8 * (jj / 2) + 2 * (jj % 2);
+                const int o[4] = {e, e + 4, e + 1, e + 5};
+                const float f[4] = {1.f, 1.f, 1.f / 16, 1.f / 16};
+#else
+                const int o[4] = {4 * jj, 4 * jj + 1, 4 * jj + 2, 4 * jj + 3};
+                const float f[4] = {1.f, 1.f, 1.f, 1.f};
+#endif
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float v = real ? qe[o[i]] * LOG2E : 0.f;
+                    sum += v;
+                    x[i] = v * f[i];
+                }
+                const int j = gr * (GROUP / 16) + jj;
+                qb[j][0] = pack2(x[0], x[1]);
+                qb[j][1] = pack2(x[2], x[3]);
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            // Head gid's sum sits in lanes 4gid..4gid+3: fetch heads 2tq and 2tq+1.
+            qsum[gr][0] = __shfl_sync(0xffffffffu, sum, 8 * tq);
+            qsum[gr][1] = __shfl_sync(0xffffffffu, sum, 8 * tq + 4);
+        }
+    }
+    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}; // heads 2tq, 2tq+1
+    float acc[VBLOCKS][4], bacc[NG][2];
+#pragma unroll
+    for (int n = 0; n < VBLOCKS; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+#pragma unroll
+    for (int gr = 0; gr < NG; gr++) bacc[gr][0] = bacc[gr][1] = 0.f;
+
+    auto step = [&](const FoldTile& t, int r0) {
+        // Scores s[r][c]: row r0 + gid + 8r, head 2tq + c.
+        float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+        for (int gr = 0; gr < NG; gr++) {
+            float sg[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int jj = 0; jj < GROUP / 16; jj++) {
+                const int j = gr * (GROUP / 16) + jj;
+#if CODEC == 4
+                const u32 w0 = t.kw[0][gr][jj / 2] >> (8 * (jj % 2));
+                const u32 w1 = t.kw[1][gr][jj / 2] >> (8 * (jj % 2));
+                mma16(sg, code_pair(w0, 0x000F000Fu), code_pair(w1, 0x000F000Fu),
+                      code_pair(w0, 0x00F000F0u), code_pair(w1, 0x00F000F0u), qb[j][0], qb[j][1]);
+#else
+                const u32 w0 = t.kw[0][gr][jj], w1 = t.kw[1][gr][jj];
+#if DENORMAL_CODES
+                mma16(sg, __byte_perm(w0, 0, 0x4140), __byte_perm(w1, 0, 0x4140),
+                      __byte_perm(w0, 0, 0x4342), __byte_perm(w1, 0, 0x4342), qb[j][0], qb[j][1]);
+#else
+                mma16(sg, code_pair(__byte_perm(w0, 0, 0x4140), 0x00FF00FFu),
+                      code_pair(__byte_perm(w1, 0, 0x4140), 0x00FF00FFu),
+                      code_pair(__byte_perm(w0, 0, 0x4342), 0x00FF00FFu),
+                      code_pair(__byte_perm(w1, 0, 0x4342), 0x00FF00FFu), qb[j][0], qb[j][1]);
+#endif
+#endif
+            }
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const float scale = lo_f16(t.kp[r][gr]), bias = hi_f16(t.kp[r][gr]);
+#pragma unroll
+                for (int c = 0; c < 2; c++)
+                    s[r][c] = fmaf(scale * UNIT_INV, sg[2 * r + c], fmaf(bias, qsum[gr][c], s[r][c]));
+            }
+        }
+        // Online softmax per head over the tile's 16 rows (spread over the 8 gid lanes).
+        float corr[2], p[2][2];
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+                if (r0 + gid + 8 * r >= hi) s[r][c] = __int_as_float(0xff800000);
+            float mx = fmaxf(s[0][c], s[1][c]);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            const float mn = fmaxf(m[c], mx);
+            corr[c] = fast_exp2(m[c] - mn);
+            m[c] = mn;
+            p[0][c] = fast_exp2(s[0][c] - mn);
+            p[1][c] = fast_exp2(s[1][c] - mn);
+            l[c] = l[c] * corr[c] + p[0][c] + p[1][c];
+        }
+        const bool rescale = __any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f);
+        if (rescale) {
+#pragma unroll
+            for (int n = 0; n < VBLOCKS; n++) {
+                acc[n][0] *= corr[0];
+                acc[n][1] *= corr[1];
+                acc[n][2] *= corr[0];
+                acc[n][3] *= corr[1];
+            }
+        }
+#pragma unroll
+        for (int gr = 0; gr < NG; gr++) {
+            // (P∘scale)ᵀ as B: rows gid, gid+8 scaled here, then transposed.
+            float ps[2][2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const float scale = lo_f16(t.vp[r][gr]), bias = hi_f16(t.vp[r][gr]);
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    ps[r][c] = p[r][c] * scale;
+                    bacc[gr][c] = fmaf(p[r][c], bias, r == 0 ? bacc[gr][c] * corr[c] : bacc[gr][c]);
+                }
+            }
+            const u32 b0 = transpose8(pack2(ps[0][0], ps[0][1]));
+            const u32 b1 = transpose8(pack2(ps[1][0], ps[1][1]));
+#pragma unroll
+            for (int jb = 0; jb < GROUP / 16; jb++) {
+                // Dims 2jb (m = gid) and 2jb + 1 (m = gid + 8) of lane gid's codes.
+#if CODEC == 4
+                const int w = jb / 4, byte = jb % 4;
+                const u32 sel = byte | ((4 + byte) << 8);
+                const u32 x01 = __byte_perm(t.vw[0][gr][w], t.vw[1][gr][w], sel);
+                const u32 x89 = __byte_perm(t.vw[2][gr][w], t.vw[3][gr][w], sel);
+                mma16(acc[gr * (GROUP / 16) + jb], code_pair(x01, 0x000F000Fu),
+                      code_pair(x01, 0x00F000F0u), code_pair(x89, 0x000F000Fu),
+                      code_pair(x89, 0x00F000F0u), b0, b1);
+#else
+                const int w = jb / 2, byte = 2 * (jb % 2);
+                const u32 sel0 = byte | ((4 + byte) << 8), sel1 = sel0 + 0x101;
+                mma16(acc[gr * (GROUP / 16) + jb],
+                      code_pair(__byte_perm(t.vw[0][gr][w], t.vw[1][gr][w], sel0), 0x00FF00FFu),
+                      code_pair(__byte_perm(t.vw[0][gr][w], t.vw[1][gr][w], sel1), 0x00FF00FFu),
+                      code_pair(__byte_perm(t.vw[2][gr][w], t.vw[3][gr][w], sel0), 0x00FF00FFu),
+                      code_pair(__byte_perm(t.vw[2][gr][w], t.vw[3][gr][w], sel1), 0x00FF00FFu),
+                      b0, b1);
+#endif
+            }
+        }
+    };
+
+    const FoldBase base = {kdata + (block_rows + gid) * ROW_WORDS + tq * KGW,
+                            vdata + (block_rows + 2 * tq) * ROW_WORDS + gid * VGW,
+                            kparams + (block_rows + gid) * NG, vparams + (block_rows + gid) * NG};
+    auto load = [&](FoldTile& t, int r0) {
+        if (r0 + 16 <= hi)
+            load_fold_full(t, base, r0);
+        else if (r0 < hi)
+            load_fold_tail(t, kdata, kparams, vdata, vparams, block_rows, r0, lo, hi, gid, tq);
+    };
+    // Two tiles in registers, alternating (no copy of the next into the current).
+    FoldTile ta, tb;
+    int r0 = lo + warp * 16;
+    load(ta, r0);
+    while (r0 < hi) {
+        load(tb, r0 + WARPS * 16);
+        step(ta, r0);
+        r0 += WARPS * 16;
+        if (r0 >= hi) break;
+        load(ta, r0 + WARPS * 16);
+        step(tb, r0);
+        r0 += WARPS * 16;
+    }
+
+    // Sums over the 8 gid lanes (rows) of each head's l and bias term.
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            l[c] += __shfl_xor_sync(0xffffffffu, l[c], off);
+#pragma unroll
+            for (int gr = 0; gr < NG; gr++)
+                bacc[gr][c] += __shfl_xor_sync(0xffffffffu, bacc[gr][c], off);
+        }
+    }
+    // acc[blk][2i + c]: head 2tq + c, dim gr·GROUP + gid·BPG + 2jb + i (i = 1: 16 units
+    // for 4-bit codes). Merge the warps.
+    __shared__ float sm_ml[WARPS][8][2];
+    __shared__ float sm_acc[WARPS][8][D];
+#pragma unroll
+    for (int blk = 0; blk < VBLOCKS; blk++) {
+        const int gr = blk / (GROUP / 16), jb = blk % (GROUP / 16);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const float unit = (CODEC == 4 && i == 1) ? UNIT_INV / 16 : UNIT_INV;
+#pragma unroll
+            for (int c = 0; c < 2; c++)
+                sm_acc[warp][2 * tq + c][gr * GROUP + gid * BPG + 2 * jb + i] =
+                    fmaf(acc[blk][2 * i + c], unit, bacc[gr][c]);
+        }
+    }
+    if (gid == 0) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            sm_ml[warp][2 * tq + c][0] = m[c];
+            sm_ml[warp][2 * tq + c][1] = l[c];
+        }
+    }
+    __syncthreads();
+    store_partials(sm_ml, sm_acc, b, h, kv_heads, split, splits, part_ml, part_acc);
+}
+#endif
+
 // grid (query heads, batch), 256 threads: merges the splits of one output row. Warp w
 // folds splits w, w + 8, ... (lane: elements lane, lane + 32, ...), so a long split list
 // is walked by eight warps at once; the warps' states are then merged per element.
