@@ -2,6 +2,7 @@
 # Runs on the device machine (see ../shared/gpu/README.md): unpacks the gzipped binaries
 # carried in .device/, then the steps named as arguments, each logged under $OUT.
 #   parity  kv-cache-parity (the CUDA KV backend against the CPU cache)
+#   paritychunk  the same with TESSERA_FUSED_CHUNK=1 (the fused chunk read on affine planes)
 #   eval    perplexity of a synthetic gemma3-270m, --device cpu vs cuda, bf16/affine:4/affine:8
 #   e2e     tessera bench --device cuda, synthetic gemma3-270m, depth 32k, batch 1 and 16
 #   e2eglobal  synthetic gemma3-270m, batch 16, depth 32k, affine:4 on the global layers only
@@ -30,6 +31,9 @@ synth() { [ -f /tmp/$1.gguf ] || $T model synth --arch gemma3 --preset $1 --dtyp
 for step in "$@"; do
   case $step in
     parity) log parity; $B/kv-cache-parity 2>&1 | tee $OUT/parity.txt ;;
+    paritychunk)
+      # The fused chunk read (off by default until this passes).
+      log paritychunk; TESSERA_FUSED_CHUNK=1 $B/kv-cache-parity 2>&1 | tee $OUT/parity-chunk.txt ;;
     eval)
       log eval; synth gemma3-270m
       for dev in cpu cuda; do

@@ -438,6 +438,16 @@ impl DevicePlanes for CudaPlanes {
         })
     }
 
+    fn chunk(
+        &self,
+        q: &Tensor,
+        pads: &[usize],
+        start: usize,
+        scale: f32,
+    ) -> Result<Option<Tensor>, KvError> {
+        self.chunk_now(q, pads, start, scale)
+    }
+
     fn allocated_bytes(&self) -> usize {
         self.planes
             .as_ref()
@@ -448,6 +458,13 @@ impl DevicePlanes for CudaPlanes {
         let (w, p) = self.words();
         self.geometry.heads * 2 * 4 * (w + p)
     }
+}
+
+/// `TESSERA_FUSED_CHUNK=1`: chunk reads through the fused kernel (not yet run on the
+/// device; the default decodes the slots to f32 for candle's attention).
+fn fused_chunk() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TESSERA_FUSED_CHUNK").is_ok_and(|v| v == "1"))
 }
 
 impl CudaPlanes {
@@ -494,6 +511,45 @@ impl CudaPlanes {
         self.encode(x, &mut codes, &mut params, n, 0)?;
         let out = self.decode_slots(&codes, &params, b * h, n, 0, n)?;
         Ok(wrap(&self.kernels, out, &[b, h, n, d]))
+    }
+
+    /// The fused chunk read where this codec and shape have one (see `DevicePlanes::chunk`).
+    fn chunk_now(
+        &self,
+        q: &Tensor,
+        pads: &[usize],
+        start: usize,
+        scale: f32,
+    ) -> Result<Option<Tensor>, KvError> {
+        let geo = self.geometry;
+        let (b, qh, n, d) = q.dims4()?;
+        if b != geo.rows || d != geo.head_dim || qh % geo.heads != 0 || pads.len() != b {
+            return Err(KvError::QueryShape {
+                got: q.dims().to_vec(),
+                detail: format!("a CUDA chunk read over {geo:?}"),
+            });
+        }
+        let g = qh / geo.heads;
+        let k = &self.kernels;
+        let served = fused_chunk()
+            && geo.value_dim == geo.head_dim
+            && g <= 8
+            && k.read.has_chunk(self.gpu, d, g).map_err(device_error)?;
+        if !served {
+            return Ok(None);
+        }
+        let planes = self.planes()?;
+        let q = (q.to_dtype(DType::F32)? * scale as f64)?.contiguous()?;
+        let pads: Vec<i32> = pads.iter().map(|&p| p as i32).collect();
+        let out = with_f32(&q, |qs, offset| {
+            anyhow::ensure!(offset == 0, "query copy at offset {offset}");
+            let s = &k.read.stream;
+            let pads = s.clone_htod(&pads)?;
+            let mut out = s.alloc_zeros::<f32>(b * qh * n * d)?;
+            k.read.chunk(planes, g, qs, &pads, start, n, 0, &mut out)?;
+            Ok(out)
+        })?;
+        Ok(Some(wrap(k, out, &[b, qh, n, d])))
     }
 
     fn decode_now(

@@ -97,6 +97,8 @@ struct Kernels {
     simt: CudaFunction,
     tc: Option<CudaFunction>,
     folded: Option<CudaFunction>,
+    /// The folded read for a chunk of queries (same codecs as `folded`).
+    chunk: Option<CudaFunction>,
     merge: CudaFunction,
 }
 
@@ -204,15 +206,19 @@ impl DecodeRead {
         // words. Rows of 256 would hold too many registers (two tiles in flight).
         let foldable = matches!(codec, GpuCodec::Affine { bits, group }
             if (group * bits as usize / 8) % 32 == 0 && group <= d && d <= 128);
-        let folded = if foldable {
-            Some(module.load_function("kv_decode_partial_fold")?)
+        let (folded, chunk) = if foldable {
+            (
+                Some(module.load_function("kv_decode_partial_fold")?),
+                Some(module.load_function("kv_chunk_partial_fold")?),
+            )
         } else {
-            None
+            (None, None)
         };
         let k = Kernels {
             simt: module.load_function("kv_decode_partial")?,
             tc,
             folded,
+            chunk,
             merge: module.load_function("kv_decode_merge")?,
         };
         map.insert((codec, d, g), k.clone());
@@ -417,6 +423,94 @@ impl DecodeRead {
             shared_mem_bytes: 0,
         };
         unsafe { b.launch(cfg)? };
+        Ok(())
+    }
+}
+
+impl DecodeRead {
+    /// Whether [`Self::chunk`] serves this configuration.
+    pub fn has_chunk(&self, codec: GpuCodec, d: usize, g: usize) -> Result<bool> {
+        Ok(self.kernels(codec, d, g)?.chunk.is_some())
+    }
+
+    /// The chunk (prefill) read: `out (batch, kv_heads·g, n, d)` for queries `q` (same
+    /// layout, softmax scale folded in) at positions `start .. start + n` of every row,
+    /// over slots `0 .. start + n` (slot = position): causal, slots before `pads[b]`
+    /// hidden from row b, a padding query seeing only itself, and with `window > 0` only
+    /// the last `window` positions.
+    #[allow(clippy::too_many_arguments)]
+    pub fn chunk(
+        &self,
+        planes: &GpuPlanes,
+        g: usize,
+        q: &CudaSlice<f32>,
+        pads: &CudaSlice<i32>,
+        start: usize,
+        n: usize,
+        window: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let kernels = self.kernels(planes.codec, planes.d, g)?;
+        let Some(f) = kernels.chunk.as_ref() else {
+            bail!("no chunk read for {}", planes.codec.name())
+        };
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)?
+            .max(1) as usize;
+        // Queries per block (8 / g of them share the mma's columns), blocks per split.
+        let groups = n.div_ceil(8 / g);
+        let (splits, chunk) = plan_splits(
+            planes.batch * groups,
+            planes.kv_heads,
+            start + n,
+            per_sm * self.sms,
+        );
+        let rows = planes.batch * planes.kv_heads * g * n;
+        let s = &self.stream;
+        // One split writes the output itself; more leave partials for the merge.
+        let parts = if splits > 1 { rows * splits } else { 1 };
+        let mut ml = s.alloc_zeros::<f32>(parts * 2)?;
+        let mut acc = s.alloc_zeros::<f32>(parts * planes.d)?;
+        let (start_, n_, window_) = (start as i32, n as i32, window as i32);
+        let (kv_heads, capacity, chunk_) =
+            (planes.kv_heads as i32, planes.capacity as i32, chunk as i32);
+        let mut b = s.launch_builder(f);
+        b.arg(q)
+            .arg(&planes.k)
+            .arg(&planes.kp)
+            .arg(&planes.v)
+            .arg(&planes.vp)
+            .arg(pads)
+            .arg(&start_)
+            .arg(&n_)
+            .arg(&window_)
+            .arg(&kv_heads)
+            .arg(&capacity)
+            .arg(&chunk_)
+            .arg(&mut ml)
+            .arg(&mut acc)
+            .arg(&mut *out);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                splits as u32,
+                planes.kv_heads as u32,
+                (planes.batch * groups) as u32,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg)? };
+        if splits > 1 {
+            let splits = splits as i32;
+            let mut b = s.launch_builder(&kernels.merge);
+            b.arg(&ml).arg(&acc).arg(out).arg(&splits);
+            let cfg = LaunchConfig {
+                grid_dim: ((planes.kv_heads * g * n) as u32, planes.batch as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            unsafe { b.launch(cfg)? };
+        }
         Ok(())
     }
 }

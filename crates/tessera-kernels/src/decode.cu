@@ -747,28 +747,24 @@ __device__ __forceinline__ u32 transpose8(u32 x) {
 }
 
 #define VBLOCKS (D / 16) // value blocks of 16 dims
-extern "C" __global__ void __launch_bounds__(WARPS * 32, FOLD_MIN_BLOCKS)
-kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdata,
-                        const u32* __restrict__ kparams, const u32* __restrict__ vdata,
-                        const u32* __restrict__ vparams, const int* __restrict__ starts,
-                        const int* __restrict__ ends, int kv_heads, int capacity, int chunk,
-                        float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+
+// One block's pass of the folded read over stored rows [lo, hi): B column gid is the query
+// row at `qg` (zeros unless `real`); with CHUNK, C column 2tq + c also masks rows outside
+// [clo[c], chi[c]]. Leaves each warp's state per column in sm_ml / sm_acc and synchronizes.
+template <bool CHUNK>
+__device__ __forceinline__ void fold_pass(const float* __restrict__ qg, bool real,
+                                          const u32* __restrict__ kdata,
+                                          const u32* __restrict__ kparams,
+                                          const u32* __restrict__ vdata,
+                                          const u32* __restrict__ vparams, long block_rows,
+                                          int lo, int hi, const int (&clo)[2],
+                                          const int (&chi)[2], float (&sm_ml)[WARPS][8][2],
+                                          float (&sm_acc)[WARPS][8][D]) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane >> 2, tq = lane & 3;
-    const long block_rows = ((long)b * kv_heads + h) * capacity;
-    const int lo = starts[b] + split * chunk;
-    const int hi = min(ends[b], lo + chunk);
-
-    // Qᵀ as B fragments (column gid = head gid, log2(e) folded in, heads past G zero) in
-    // the key lanes' element order: for 4-bit k-step jj, word jj/2 shifted by 8·(jj%2)
-    // gives elements (e, e+4) at the unit and (e+1, e+5) at 16 units, so those q elements
-    // are taken /16. Σq per group for the heads 2tq, 2tq+1 whose scores this lane's C holds.
     u32 qb[D / 16][2];
     float qsum[NG][2];
     {
-        const bool real = gid < G;
-        const float* qg = q + (((long)b * kv_heads + h) * G + (real ? gid : 0)) * D;
 #pragma unroll
         for (int gr = 0; gr < NG; gr++) {
             const float* qe = qg + gr * GROUP + tq * KE;
@@ -801,7 +797,7 @@ kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdat
             qsum[gr][1] = __shfl_sync(0xffffffffu, sum, 8 * tq + 4);
         }
     }
-    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}; // heads 2tq, 2tq+1
+    float m[2] = {NEG_BIG, NEG_BIG}, l[2] = {0.f, 0.f}; // columns 2tq, 2tq+1
     float acc[VBLOCKS][4], bacc[NG][2];
 #pragma unroll
     for (int n = 0; n < VBLOCKS; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -849,7 +845,9 @@ kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdat
         for (int c = 0; c < 2; c++) {
 #pragma unroll
             for (int r = 0; r < 2; r++)
-                if (r0 + gid + 8 * r >= hi) s[r][c] = __int_as_float(0xff800000);
+                if (r0 + gid + 8 * r >= hi ||
+                    (CHUNK && (r0 + gid + 8 * r < clo[c] || r0 + gid + 8 * r > chi[c])))
+                    s[r][c] = __int_as_float(0xff800000);
             float mx = fmaxf(s[0][c], s[1][c]);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
@@ -947,8 +945,6 @@ kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdat
     }
     // acc[blk][2i + c]: head 2tq + c, dim gr·GROUP + gid·BPG + 2jb + i (i = 1: 16 units
     // for 4-bit codes). Merge the warps.
-    __shared__ float sm_ml[WARPS][8][2];
-    __shared__ float sm_acc[WARPS][8][D];
 #pragma unroll
     for (int blk = 0; blk < VBLOCKS; blk++) {
         const int gr = blk / (GROUP / 16), jb = blk % (GROUP / 16);
@@ -969,7 +965,120 @@ kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdat
         }
     }
     __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, FOLD_MIN_BLOCKS)
+kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdata,
+                        const u32* __restrict__ kparams, const u32* __restrict__ vdata,
+                        const u32* __restrict__ vparams, const int* __restrict__ starts,
+                        const int* __restrict__ ends, int kv_heads, int capacity, int chunk,
+                        float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int gid = (threadIdx.x % 32) >> 2;
+    const long block_rows = ((long)b * kv_heads + h) * capacity;
+    const int lo = starts[b] + split * chunk;
+    const int hi = min(ends[b], lo + chunk);
+    // Column gid is head gid (heads past G zero).
+    const bool real = gid < G;
+    const float* qg = q + (((long)b * kv_heads + h) * G + (real ? gid : 0)) * D;
+    const int none[2] = {0, 0};
+    __shared__ float sm_ml[WARPS][8][2];
+    __shared__ float sm_acc[WARPS][8][D];
+    fold_pass<false>(qg, real, kdata, kparams, vdata, vparams, block_rows, lo, hi, none, none,
+                     sm_ml, sm_acc);
     store_partials(sm_ml, sm_acc, b, h, kv_heads, split, splits, part_ml, part_acc);
+}
+
+// ---------------------------------------------------------------------------------------
+// The folded read for a chunk of queries (prefill): causal, left padding, optional window,
+// over slots that hold positions (slot = position: full-retention layers). The B columns
+// are (query, head) pairs instead of heads: column c is head c % G of query
+// grp·PPB + c / G, so a block serves PPB = 8 / G queries of one KV head in one pass over
+// the rows they see, and C column c masks rows outside its own causal span. Blocks: (split
+// of the rows, KV head, row × query group). With one split the block writes the
+// normalized output; with more, partials in the decode layout with (head, query) as the
+// output row, merged by kv_decode_merge over (query heads × queries, rows).
+// Not yet run on the device: the backend calls it only under TESSERA_FUSED_CHUNK=1 until
+// kv-cache-parity passes with it. (Its pass is the decode read's, fold_pass.)
+#define PPB (8 / G)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, FOLD_MIN_BLOCKS)
+kv_chunk_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdata,
+                      const u32* __restrict__ kparams, const u32* __restrict__ vdata,
+                      const u32* __restrict__ vparams, const int* __restrict__ pads, int start,
+                      int n, int window, int kv_heads, int capacity, int chunk,
+                      float* __restrict__ part_ml, float* __restrict__ part_acc,
+                      float* __restrict__ out) {
+    const int split = blockIdx.x, h = blockIdx.y, splits = gridDim.x;
+    const int groups = (n + PPB - 1) / PPB;
+    const int b = blockIdx.z / groups, grp = blockIdx.z % groups;
+    const int lane = threadIdx.x % 32, gid = lane >> 2, tq = lane & 3;
+    const long block_rows = ((long)b * kv_heads + h) * capacity;
+    const int pad = pads[b], qh = kv_heads * G;
+    // Column c: query i = grp·PPB + c / G (position start + i), head c % G.
+    auto col_query = [&](int c) { return grp * PPB + c / G; };
+    auto col_valid = [&](int c) { return c < PPB * G && col_query(c) < n; };
+    auto col_row = [&](int c) { // its output row in (rows, q heads, queries)
+        return ((long)b * qh + h * G + c % G) * n + col_query(c);
+    };
+    // The first slot column c sees: causal, past the padding, inside the window; a
+    // padding query sees only itself (as the dense mask has it).
+    auto first_slot = [&](int c) {
+        const int pos = start + col_query(c);
+        if (pos < pad) return pos;
+        return max(pad, window > 0 ? pos - window + 1 : 0);
+    };
+    int lo_all = 0x7fffffff, hi_all = 0;
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        if (col_valid(c)) {
+            lo_all = min(lo_all, first_slot(c));
+            hi_all = max(hi_all, start + col_query(c) + 1);
+        }
+    }
+    const int lo = lo_all + split * chunk;
+    const int hi = min(hi_all, lo + chunk);
+    // This lane's C columns: slots [clo[c], chi[c]] (none for an unused column).
+    int clo[2], chi[2];
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        const bool valid = col_valid(2 * tq + c);
+        clo[c] = valid ? first_slot(2 * tq + c) : 0x7fffffff;
+        chi[c] = valid ? start + col_query(2 * tq + c) : -1;
+    }
+
+    const bool real = col_valid(gid);
+    const float* qg = q + (real ? col_row(gid) * D : 0);
+    __shared__ float sm_ml[WARPS][8][2];
+    __shared__ float sm_acc[WARPS][8][D];
+    fold_pass<true>(qg, real, kdata, kparams, vdata, vparams, block_rows, lo, hi, clo, chi,
+                    sm_ml, sm_acc);
+    // Merge the warps per (column, element): the normalized output, or this split's
+    // partial state.
+    for (int idx = threadIdx.x; idx < PPB * G * D; idx += WARPS * 32) {
+        const int c = idx / D, e = idx % D;
+        if (!col_valid(c)) continue;
+        float mx = NEG_BIG;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_ml[w][c][0]);
+        float sum = 0.f, a = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float f = fast_exp2(sm_ml[w][c][0] - mx);
+            sum += sm_ml[w][c][1] * f;
+            a += sm_acc[w][c][e] * f;
+        }
+        const long row = col_row(c);
+        if (splits == 1) {
+            out[row * D + e] = sum > 0.f ? a / sum : 0.f;
+        } else {
+            const long at = row * splits + split;
+            part_acc[at * D + e] = a;
+            if (e == 0) {
+                part_ml[at * 2] = mx;
+                part_ml[at * 2 + 1] = sum;
+            }
+        }
+    }
 }
 #endif
 

@@ -357,6 +357,9 @@ impl LayerCache {
         if matches!(self.planes, Planes::Affine(_) | Planes::Turbo(_)) {
             return self.append_quantized_chunk(k, v);
         }
+        if let (Planes::Device(_), Retention::Full) = (&self.planes, self.spec.retention) {
+            return self.append_device_chunk(k, v);
+        }
         let device = k.device().clone();
         let (keys, values, positions, window) = match self.spec.retention {
             Retention::Full => {
@@ -395,6 +398,38 @@ impl LayerCache {
         // freed here, before any other layer converts).
         self.convert_if_due()?;
         Ok(AttentionRead::dense(keys, values, mask))
+    }
+
+    /// A causal chunk on device planes with full retention: stored, then read by the
+    /// backend's fused chunk read (densely where it has none). As on the CPU, an append
+    /// that converts the layer is read from the bf16 planes it retires.
+    fn append_device_chunk(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<AttentionRead<'_>, KvError> {
+        let (n, start) = (k.dims()[2], self.rows.end());
+        self.planes.reserve(k, v, start + n, usize::MAX)?;
+        self.planes.write(start, k, v)?;
+        let pads = self.rows.left_pad().to_vec();
+        self.rows.advance(n);
+        if let Some(Planes::Device(retired)) = self.convert_if_due()? {
+            return Ok(AttentionRead::device_chunk(
+                DeviceRef::Owned(retired),
+                pads,
+                start,
+                n,
+            ));
+        }
+        let Planes::Device(planes) = &self.planes else {
+            unreachable!("checked by the caller")
+        };
+        Ok(AttentionRead::device_chunk(
+            DeviceRef::Borrowed(planes.as_ref()),
+            pads,
+            start,
+            n,
+        ))
     }
 
     /// A causal chunk on quantized (affine or turbo) storage, read from the packed codes

@@ -25,6 +25,21 @@ pub trait DevicePlanes: std::fmt::Debug + Send + Sync {
     /// The fused decode read: `q` `(rows, q_heads, 1, head_dim)` over slots
     /// `spans[r].0 .. spans[r].1` of each row r. Returns `(rows, q_heads, 1, value_dim)` f32.
     fn decode(&self, q: &Tensor, spans: &[(usize, usize)], scale: f32) -> Result<Tensor, KvError>;
+    /// The fused chunk read, where the backend has one: `q` `(rows, q_heads, n, head_dim)`
+    /// at positions `start .. start + n` over slots `0 .. start + n`, which hold those
+    /// positions (full retention): causal, the first `pads[r]` slots hidden from row r (a
+    /// padding query sees only itself). Returns `(rows, q_heads, n, value_dim)` f32, or
+    /// `Ok(None)` where there is no fused read: the caller then reads the slots densely.
+    fn chunk(
+        &self,
+        q: &Tensor,
+        pads: &[usize],
+        start: usize,
+        scale: f32,
+    ) -> Result<Option<Tensor>, KvError> {
+        let _ = (q, pads, start, scale);
+        Ok(None)
+    }
     fn allocated_bytes(&self) -> usize;
     /// Encoded bytes of one position of one row, keys and values.
     fn bytes_per_position(&self) -> usize;

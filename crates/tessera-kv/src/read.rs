@@ -110,6 +110,14 @@ enum Source<'a> {
         planes: DeviceRef<'a>,
         rows: Vec<RowSlots>,
     },
+    /// A causal chunk of `queries` positions from `start` on a device (full retention:
+    /// slot = position), through the backend's fused chunk read where it has one.
+    DeviceChunk {
+        planes: DeviceRef<'a>,
+        pads: Vec<usize>,
+        start: usize,
+        queries: usize,
+    },
     /// A causal chunk of queries over TurboQuant slots (the cache's planes or a span copy).
     TurboChunk {
         planes: Cow<'a, TurboPlanes>,
@@ -172,6 +180,24 @@ impl<'a> AttentionRead<'a> {
         }
     }
 
+    /// A causal chunk read by the device planes' own kernel (or densely, where the backend
+    /// has none).
+    pub(crate) fn device_chunk(
+        planes: DeviceRef<'a>,
+        pads: Vec<usize>,
+        start: usize,
+        queries: usize,
+    ) -> Self {
+        AttentionRead {
+            source: Source::DeviceChunk {
+                planes,
+                pads,
+                start,
+                queries,
+            },
+        }
+    }
+
     /// A causal chunk read straight from TurboQuant slots.
     pub(crate) fn turbo_chunk(
         planes: Cow<'a, TurboPlanes>,
@@ -229,6 +255,19 @@ impl<'a> AttentionRead<'a> {
             Source::DeviceDecode { planes, rows } => {
                 let (k, v) = planes.get().read(0, planes.get().capacity())?;
                 (k, v, rows)
+            }
+            Source::DeviceChunk {
+                planes,
+                pads,
+                start,
+                queries,
+            } => {
+                let (keys, values) = planes.get().read(0, start + queries)?;
+                let mut rows = Rows::new(pads.clone());
+                rows.advance(*start);
+                let positions: Vec<usize> = (0..start + queries).collect();
+                let mask = rows.mask(*queries, &positions, None, keys.device())?;
+                return Ok(AttentionRead::dense(keys, values, mask));
             }
             Source::AffineChunk {
                 pads,
@@ -314,6 +353,27 @@ impl<'a> AttentionRead<'a> {
                     )?,
                     _ => unreachable!(),
                 });
+            }
+            Source::DeviceChunk {
+                planes,
+                pads,
+                start,
+                queries,
+            } => {
+                let (b, _, n, _) = q.dims4()?;
+                if b != pads.len() || n != *queries {
+                    return Err(KvError::QueryShape {
+                        got: q.dims().to_vec(),
+                        detail: format!(
+                            "a chunk read of {queries} queries over {} rows",
+                            pads.len()
+                        ),
+                    });
+                }
+                return match planes.get().chunk(q, pads, *start, scale)? {
+                    Some(out) => Ok(out),
+                    None => self.to_dense()?.attend(q, scale),
+                };
             }
             Source::DeviceDecode { planes, rows } => {
                 return match single_spans(rows) {

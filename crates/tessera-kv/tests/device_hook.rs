@@ -1,7 +1,7 @@
 //! The device-planes hook, exercised on the CPU: an emulated device backend (host memory,
-//! the codecs' own rounding, a plain f64 attention for its decode read) is installed, so
-//! every layer cache of this test process stores its positions through `DevicePlanes`,
-//! as a GPU backend's would. The same appends go to a cache that keeps its own host planes
+//! the codecs' own rounding, a plain f64 attention for its decode and chunk reads) is
+//! installed, so every layer cache of this test process stores its positions through
+//! `DevicePlanes`, as a GPU backend's would. The same appends go to a cache that keeps its own host planes
 //! (the host backend serves only the device it is told to) and every read must agree:
 //! binding on first use, the bf16-first conversion (also inside a decode step, whose read
 //! uses the retired bf16 planes), rings that wrap, padded rows whose slots split in two
@@ -17,8 +17,9 @@ use tessera_kv::{
     Retention,
 };
 
-/// Fused decode reads the emulated device served, and its writes.
+/// Fused decode and chunk reads the emulated device served, and its writes.
 static DECODES: AtomicUsize = AtomicUsize::new(0);
+static CHUNKS: AtomicUsize = AtomicUsize::new(0);
 static WRITES: AtomicUsize = AtomicUsize::new(0);
 
 /// Serves `Device::Cpu` only when `EMULATE` is set for the calling thread's cache.
@@ -68,6 +69,44 @@ struct HostPlanes {
 }
 
 impl HostPlanes {
+    /// Softmax attention in f64 of one query row (query head `h` of `qh`, row `r`) over
+    /// `slots`, written to `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_slots(
+        &self,
+        qrow: &[f32],
+        r: usize,
+        h: usize,
+        qh: usize,
+        slots: std::ops::Range<usize>,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let d = self.g.head_dim;
+        let block = (r * self.g.heads + h / (qh / self.g.heads)) * self.capacity;
+        let scores: Vec<f64> = slots
+            .clone()
+            .map(|s| {
+                let key = &self.k[(block + s) * d..][..d];
+                scale as f64
+                    * qrow
+                        .iter()
+                        .zip(key)
+                        .map(|(a, b)| (a * b) as f64)
+                        .sum::<f64>()
+            })
+            .collect();
+        let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        for (w, s) in weights.iter().zip(slots) {
+            let value = &self.v[(block + s) * d..][..d];
+            for (o, x) in out.iter_mut().zip(value) {
+                *o += (w / total * *x as f64) as f32;
+            }
+        }
+    }
+
     fn round(&self, x: &Tensor) -> Result<Vec<f32>, KvError> {
         let (b, h, _, d) = x.dims4()?;
         let stored = match self.codec {
@@ -146,36 +185,49 @@ impl DevicePlanes for HostPlanes {
     fn decode(&self, q: &Tensor, spans: &[(usize, usize)], scale: f32) -> Result<Tensor, KvError> {
         DECODES.fetch_add(1, Ordering::Relaxed);
         let (b, qh, _, d) = q.dims4()?;
-        let group = qh / self.g.heads;
         let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
         let mut out = vec![0f32; b * qh * d];
         for (r, &(lo, hi)) in spans.iter().enumerate() {
             for h in 0..qh {
-                let block = (r * self.g.heads + h / group) * self.capacity;
-                let qrow = &qv[(r * qh + h) * d..][..d];
-                let scores: Vec<f64> = (lo..hi)
-                    .map(|s| {
-                        let key = &self.k[(block + s) * d..][..d];
-                        scale as f64
-                            * qrow
-                                .iter()
-                                .zip(key)
-                                .map(|(a, b)| (a * b) as f64)
-                                .sum::<f64>()
-                    })
-                    .collect();
-                let max = scores.iter().cloned().fold(f64::MIN, f64::max);
-                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                let total: f64 = weights.iter().sum();
-                for (w, s) in weights.iter().zip(lo..hi) {
-                    let value = &self.v[(block + s) * d..][..d];
-                    for (o, x) in out[(r * qh + h) * d..][..d].iter_mut().zip(value) {
-                        *o += (w / total * *x as f64) as f32;
-                    }
-                }
+                let o = (r * qh + h) * d;
+                self.attend_slots(&qv[o..][..d], r, h, qh, lo..hi, scale, &mut out[o..][..d]);
             }
         }
         Ok(Tensor::from_vec(out, (b, qh, 1, d), &Device::Cpu)?)
+    }
+
+    /// The chunk contract, spelled out: query i of row r (position start + i) sees slots
+    /// pads[r] ..= start + i, or only its own slot while it is padding itself.
+    fn chunk(
+        &self,
+        q: &Tensor,
+        pads: &[usize],
+        start: usize,
+        scale: f32,
+    ) -> Result<Option<Tensor>, KvError> {
+        CHUNKS.fetch_add(1, Ordering::Relaxed);
+        let (b, qh, n, d) = q.dims4()?;
+        let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
+        let mut out = vec![0f32; b * qh * n * d];
+        for (r, &pad) in pads.iter().enumerate() {
+            for h in 0..qh {
+                for i in 0..n {
+                    let pos = start + i;
+                    let first = if pos < pad { pos } else { pad };
+                    let o = ((r * qh + h) * n + i) * d;
+                    self.attend_slots(
+                        &qv[o..][..d],
+                        r,
+                        h,
+                        qh,
+                        first..pos + 1,
+                        scale,
+                        &mut out[o..][..d],
+                    );
+                }
+            }
+        }
+        Ok(Some(Tensor::from_vec(out, (b, qh, n, d), &Device::Cpu)?))
     }
 
     fn allocated_bytes(&self) -> usize {
@@ -248,7 +300,10 @@ fn device_planes_read_as_the_host_cache_does() {
             let mut host = KvCache::new(&specs, &scheme, pads.clone()).unwrap();
             EMULATE.with(|e| e.set(true));
             let mut dev = KvCache::new(&specs, &scheme, pads).unwrap();
-            let decodes = DECODES.load(Ordering::Relaxed);
+            let (decodes, chunks) = (
+                DECODES.load(Ordering::Relaxed),
+                CHUNKS.load(Ordering::Relaxed),
+            );
             let mut seed = 0;
             for &n in &steps {
                 for l in 0..specs.len() {
@@ -273,6 +328,10 @@ fn device_planes_read_as_the_host_cache_does() {
             assert!(
                 DECODES.load(Ordering::Relaxed) > decodes,
                 "{codec}: decode steps went through the device's read"
+            );
+            assert!(
+                CHUNKS.load(Ordering::Relaxed) > chunks,
+                "{codec}: the full layer's chunks went through the device's chunk read"
             );
             assert_eq!(host.signatures(), dev.signatures(), "{codec}");
             assert_eq!(host.bytes_per_token(), dev.bytes_per_token(), "{codec}");
