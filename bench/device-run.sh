@@ -2,7 +2,8 @@
 # Runs on the device machine (see ../shared/gpu/README.md): unpacks the gzipped binaries
 # carried in .device/, then the steps named as arguments, each logged under $OUT.
 #   parity  kv-cache-parity (the CUDA KV backend against the CPU cache)
-#   paritychunk  the same with TESSERA_FUSED_CHUNK=1 (the fused chunk read on affine planes)
+#   chunkread  kv-read-bench chunk: the fused chunk read alone against an f64 reference, timed
+#   paritychunk  kv-cache-parity with TESSERA_FUSED_CHUNK=1 (the fused chunk read in the cache)
 #   eval    perplexity of a synthetic gemma3-270m, --device cpu vs cuda, bf16/affine:4/affine:8
 #   e2e     tessera bench --device cuda, synthetic gemma3-270m, depth 32k, batch 1 and 16
 #   e2eglobal  synthetic gemma3-270m, batch 16, depth 32k, affine:4 on the global layers only
@@ -31,6 +32,7 @@ synth() { [ -f /tmp/$1.gguf ] || $T model synth --arch gemma3 --preset $1 --dtyp
 for step in "$@"; do
   case $step in
     parity) log parity; $B/kv-cache-parity 2>&1 | tee $OUT/parity.txt ;;
+    chunkread) log chunkread; $B/kv-read-bench chunk 2>&1 | tee $OUT/chunk-read.txt ;;
     paritychunk)
       # The fused chunk read (off by default until this passes).
       log paritychunk; TESSERA_FUSED_CHUNK=1 $B/kv-cache-parity 2>&1 | tee $OUT/parity-chunk.txt ;;

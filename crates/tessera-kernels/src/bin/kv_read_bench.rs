@@ -1,5 +1,5 @@
 //! Parity and speed of the GPU decode read, in one device run:
-//! `kv-read-bench [parity] [copy] [time] [+FILTER ...]` (all three parts by default; only
+//! `kv-read-bench [parity] [copy] [time] [chunk] [+FILTER ...]` (all parts by default; only
 //! reads whose label contains every FILTER, e.g. `+affine:4:64 "+(32,8,128) b16"`, are timed).
 //! - parity: random keys/values stored by the CPU cache's own codecs (bf16 rounding,
 //!   tessera-kv's affine quantizer), uploaded as stored, read on the GPU with left padding
@@ -13,6 +13,8 @@
 //!   4k/32k/128k positions, bf16, affine 4/64, 8/64 and 4/128; GB/s over the bytes of the
 //!   stored keys and values.
 //!   `bench/sdpa_decode.py` times torch's SDPA on the same shapes in the same call.
+//! - chunk: the fused chunk (prefill) read against the same f64 reference, query by query
+//!   (causal, a padded row), then its µs for 512 queries at the end of 32k / 128k positions.
 
 use anyhow::{bail, Result};
 use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaSlice};
@@ -195,6 +197,128 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
     Ok(())
 }
 
+/// The chunk (prefill) read against the same f64 reference, query by query: query i of row
+/// r (position start + i) sees slots pads[r] ..= start + i, or only itself while it is
+/// padding. Few queries over a long span take several splits (partials and the merge),
+/// many take one (the block writes the output).
+fn chunk_parity(gpu: &DecodeRead) -> Result<()> {
+    let codecs = [
+        GpuCodec::Affine { bits: 4, group: 64 },
+        GpuCodec::Affine { bits: 8, group: 64 },
+        GpuCodec::Affine {
+            bits: 4,
+            group: 128,
+        },
+        GpuCodec::Affine { bits: 8, group: 32 },
+    ];
+    let mut seed = 0x9876_5432u64;
+    let mut worst = 0f64;
+    for codec in codecs {
+        // (12,4,128): 3 query heads per KV head, so 2 queries fill 6 of 8 columns.
+        for (qh, kvh, d) in [(32, 8, 128), (8, 8, 64), (2, 1, 128), (12, 4, 128)] {
+            let g = qh / kvh;
+            if !gpu.has_chunk(codec, d, g)? {
+                continue;
+            }
+            for (start, n) in [(1500usize, 5usize), (300, 203)] {
+                let (b, total) = (2, start + n);
+                // Row 1's first two queries are padding.
+                let pads = [0usize, start + 2];
+                let shape = (b, kvh, total, d);
+                let k: Vec<f32> = (0..b * kvh * total * d)
+                    .map(|i| lcg(&mut seed) * if i % d < 4 { 6.0 } else { 1.0 })
+                    .collect();
+                let v: Vec<f32> = (0..b * kvh * total * d).map(|_| lcg(&mut seed)).collect();
+                let q: Vec<f32> = (0..b * qh * n * d).map(|_| lcg(&mut seed) * 0.2).collect();
+                let ([kw, vw, kp, vp], cap, kr, vr) = store(codec, &k, &v, shape)?;
+                let (kr, vr) = (regrid(&kr, shape, cap), regrid(&vr, shape, cap));
+                let planes = gpu.upload(codec, (b, kvh, cap, d), &kw, &vw, &kp, &vp)?;
+                let mut want = vec![0f64; b * qh * n * d];
+                for i in 0..n {
+                    let pos = start + i;
+                    let qi: Vec<f32> = (0..b * qh)
+                        .flat_map(|rh| q[(rh * n + i) * d..][..d].to_vec())
+                        .collect();
+                    let starts: Vec<i32> = pads
+                        .iter()
+                        .map(|&p| if pos < p { pos } else { p } as i32)
+                        .collect();
+                    let ends = vec![pos as i32 + 1; b];
+                    let one = reference(&qi, &kr, &vr, (b, kvh, cap, d), g, &starts, &ends);
+                    for rh in 0..b * qh {
+                        want[(rh * n + i) * d..][..d].copy_from_slice(&one[rh * d..][..d]);
+                    }
+                }
+                let s = &gpu.stream;
+                let qd = s.clone_htod(&q)?;
+                let pd = s.clone_htod(&pads.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
+                let mut out: CudaSlice<f32> = s.clone_htod(&vec![f32::NAN; b * qh * n * d])?;
+                gpu.chunk(&planes, g, &qd, &pd, start, n, 0, &mut out)?;
+                let got = s.clone_dtoh(&out)?;
+                let name = format!(
+                    "chunk {} ({qh},{kvh},{d}) start {start} n {n}",
+                    codec.name()
+                );
+                if got.iter().any(|x| !x.is_finite()) {
+                    bail!("{name}: unwritten or non-finite output");
+                }
+                let num: f64 = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (*a as f64 - b).powi(2))
+                    .sum();
+                let den: f64 = want.iter().map(|b| b * b).sum();
+                let rel = (num / den).sqrt();
+                worst = worst.max(rel);
+                println!("parity {name}: rel err {rel:.2e}");
+                if !(rel <= 1e-2) {
+                    bail!("{name}: relative error {rel:.3e} over 1e-2");
+                }
+            }
+        }
+    }
+    println!("chunk parity: all passed, worst relative error {worst:.2e}");
+    Ok(())
+}
+
+/// µs per chunk read of `n` queries at the end of `depth` positions (random planes).
+fn time_chunks(gpu: &DecodeRead) -> Result<()> {
+    println!(
+        "{:<14} {:>12} {:>5} {:>7} {:>7} {:>10}",
+        "codec", "shape", "batch", "depth", "queries", "µs"
+    );
+    let codec = GpuCodec::Affine { bits: 4, group: 64 };
+    for (qh, kvh, d) in [(32usize, 8usize, 128usize)] {
+        for (b, depth, n) in [
+            (1usize, 32768usize, 512usize),
+            (16, 32768, 512),
+            (1, 131072, 512),
+        ] {
+            let g = qh / kvh;
+            let planes = gpu.random_planes(codec, b, kvh, depth, d, 23)?;
+            let s = &gpu.stream;
+            let mut seed = 7u64;
+            let q: Vec<f32> = (0..b * qh * n * d).map(|_| lcg(&mut seed) * 0.1).collect();
+            let qd = s.clone_htod(&q)?;
+            let pd = s.clone_htod(&vec![0i32; b])?;
+            let mut out = s.alloc_zeros::<f32>(b * qh * n * d)?;
+            let us = timed(gpu, 10, || {
+                gpu.chunk(&planes, g, &qd, &pd, depth - n, n, 0, &mut out)
+            })?;
+            println!(
+                "{:<14} {:>12} {:>5} {:>7} {:>7} {:>10.1}",
+                codec.name(),
+                format!("({qh},{kvh},{d})"),
+                b,
+                depth,
+                n,
+                us
+            );
+        }
+    }
+    Ok(())
+}
+
 /// (b, h, n, d) values into (b, h, cap, d) slots (zeros beyond n).
 fn regrid(x: &[f32], (b, h, n, d): (usize, usize, usize, usize), cap: usize) -> Vec<f32> {
     if x.len() == b * h * cap * d {
@@ -325,6 +449,10 @@ fn main() -> Result<()> {
     };
     if want("time") {
         time_reads(&gpu, copy, &filters)?;
+    }
+    if want("chunk") {
+        chunk_parity(&gpu)?;
+        time_chunks(&gpu)?;
     }
     Ok(())
 }
