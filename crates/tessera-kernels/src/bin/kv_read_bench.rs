@@ -113,6 +113,20 @@ fn reference(
     out
 }
 
+/// ‖got − want‖ / ‖want‖, after checking every output was written and is finite.
+fn rel_err(got: &[f32], want: &[f64], name: &str) -> Result<f64> {
+    if got.iter().any(|x| !x.is_finite()) {
+        bail!("{name}: unwritten or non-finite output");
+    }
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - b).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|b| b * b).sum();
+    Ok((num / den).sqrt())
+}
+
 fn parity(gpu: &DecodeRead) -> Result<()> {
     let codecs = [
         GpuCodec::Bf16,
@@ -167,18 +181,8 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
                 let mut out: CudaSlice<f32> = s.clone_htod(&vec![f32::NAN; b * qh * d])?;
                 let mut scratch = gpu.scratch_for(variant, &planes, g, n)?;
                 gpu.decode_with(variant, &planes, g, &qd, &sd, &ed, &mut scratch, &mut out)?;
-                let got = s.clone_dtoh(&out)?;
                 let name = format!("{} {variant:?} ({qh},{kvh},{d})", codec.name());
-                if got.iter().any(|x| !x.is_finite()) {
-                    bail!("{name}: unwritten or non-finite output");
-                }
-                let num: f64 = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (*a as f64 - b).powi(2))
-                    .sum();
-                let den: f64 = want.iter().map(|b| b * b).sum();
-                let rel = (num / den).sqrt();
+                let rel = rel_err(&s.clone_dtoh(&out)?, &want, &name)?;
                 // f32 arithmetic lands far under 1e-3; bf16 operands (the tensor cores take
                 // q and the softmax weights in bf16, as SDPA does) between 1e-3 and 1e-2.
                 let bound = if variant == Variant::Simt { 1e-3 } else { 1e-2 };
@@ -254,21 +258,11 @@ fn chunk_parity(gpu: &DecodeRead) -> Result<()> {
                 let pd = s.clone_htod(&pads.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
                 let mut out: CudaSlice<f32> = s.clone_htod(&vec![f32::NAN; b * qh * n * d])?;
                 gpu.chunk(&planes, g, &qd, &pd, start, n, 0, &mut out)?;
-                let got = s.clone_dtoh(&out)?;
                 let name = format!(
                     "chunk {} ({qh},{kvh},{d}) start {start} n {n}",
                     codec.name()
                 );
-                if got.iter().any(|x| !x.is_finite()) {
-                    bail!("{name}: unwritten or non-finite output");
-                }
-                let num: f64 = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (*a as f64 - b).powi(2))
-                    .sum();
-                let den: f64 = want.iter().map(|b| b * b).sum();
-                let rel = (num / den).sqrt();
+                let rel = rel_err(&s.clone_dtoh(&out)?, &want, &name)?;
                 worst = worst.max(rel);
                 println!("parity {name}: rel err {rel:.2e}");
                 if !(rel <= 1e-2) {
