@@ -103,9 +103,27 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float a[8], floa
     m = mn;
 }
 
-// After a __syncthreads: folds the block's WARPS softmax states per query head
-// (ml[w][g] = running max and sum, acc[w][g][e] unnormalised output; H ≥ G heads held)
-// and writes this split's partials.
+// Folds the block's WARPS softmax states of column g, element e (ml[w][g] = running max
+// and sum, acc[w][g][e] unnormalised output) into one: (mx, sum, a).
+template <int H>
+__device__ __forceinline__ void merge_warps(const float (&ml)[WARPS][H][2],
+                                            const float (&acc)[WARPS][H][D], int g, int e,
+                                            float& mx, float& sum, float& a) {
+    mx = NEG_BIG;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, ml[w][g][0]);
+    sum = 0.f;
+    a = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) {
+        const float c = fast_exp2(ml[w][g][0] - mx);
+        sum += ml[w][g][1] * c;
+        a += acc[w][g][e] * c;
+    }
+}
+
+// After a __syncthreads: folds the block's WARPS softmax states per query head (H ≥ G
+// heads held) and writes this split's partials.
 template <int H>
 __device__ __forceinline__ void store_partials(const float (&ml)[WARPS][H][2],
                                                const float (&acc)[WARPS][H][D], int b, int h,
@@ -115,16 +133,8 @@ __device__ __forceinline__ void store_partials(const float (&ml)[WARPS][H][2],
     const int qh = kv_heads * G;
     for (int idx = threadIdx.x; idx < G * D; idx += WARPS * 32) {
         const int g = idx / D, e = idx % D;
-        float mx = NEG_BIG;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, ml[w][g][0]);
-        float sum = 0.f, a = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) {
-            const float c = fast_exp2(ml[w][g][0] - mx);
-            sum += ml[w][g][1] * c;
-            a += acc[w][g][e] * c;
-        }
+        float mx, sum, a;
+        merge_warps(ml, acc, g, e, mx, sum, a);
         const long at = ((long)b * qh + h * G + g) * splits + split;
         part_acc[at * D + e] = a;
         if (e == 0) {
@@ -1057,16 +1067,8 @@ kv_chunk_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdata
     for (int idx = threadIdx.x; idx < PPB * G * D; idx += WARPS * 32) {
         const int c = idx / D, e = idx % D;
         if (!col_valid(c)) continue;
-        float mx = NEG_BIG;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_ml[w][c][0]);
-        float sum = 0.f, a = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) {
-            const float f = fast_exp2(sm_ml[w][c][0] - mx);
-            sum += sm_ml[w][c][1] * f;
-            a += sm_acc[w][c][e] * f;
-        }
+        float mx, sum, a;
+        merge_warps(sm_ml, sm_acc, c, e, mx, sum, a);
         const long row = col_row(c);
         if (splits == 1) {
             out[row * D + e] = sum > 0.f ? a / sum : 0.f;

@@ -127,21 +127,22 @@ fn rel_err(got: &[f32], want: &[f64], name: &str) -> Result<f64> {
     Ok((num / den).sqrt())
 }
 
+/// The affine codecs the parity runs cover: the folded kernel's lane layouts (two groups a
+/// row of 128 at 4 and 8 bits, one group a row, four).
+const AFFINE_CODECS: [GpuCodec; 4] = [
+    GpuCodec::Affine { bits: 4, group: 64 },
+    GpuCodec::Affine { bits: 8, group: 64 },
+    GpuCodec::Affine {
+        bits: 4,
+        group: 128,
+    },
+    GpuCodec::Affine { bits: 8, group: 32 },
+];
+
 fn parity(gpu: &DecodeRead) -> Result<()> {
-    let codecs = [
-        GpuCodec::Bf16,
-        GpuCodec::Affine { bits: 4, group: 64 },
-        GpuCodec::Affine { bits: 8, group: 64 },
-        // The folded kernel's other lane layouts: one group per row, four per row.
-        GpuCodec::Affine {
-            bits: 4,
-            group: 128,
-        },
-        GpuCodec::Affine { bits: 8, group: 32 },
-    ];
     let mut seed = 0x1234_5678u64;
     let mut worst = 0f64;
-    for codec in codecs {
+    for codec in std::iter::once(GpuCodec::Bf16).chain(AFFINE_CODECS) {
         for (qh, kvh, d) in [
             (4, 1, 256),
             (32, 8, 128),
@@ -206,18 +207,9 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
 /// padding. Few queries over a long span take several splits (partials and the merge),
 /// many take one (the block writes the output).
 fn chunk_parity(gpu: &DecodeRead) -> Result<()> {
-    let codecs = [
-        GpuCodec::Affine { bits: 4, group: 64 },
-        GpuCodec::Affine { bits: 8, group: 64 },
-        GpuCodec::Affine {
-            bits: 4,
-            group: 128,
-        },
-        GpuCodec::Affine { bits: 8, group: 32 },
-    ];
     let mut seed = 0x9876_5432u64;
     let mut worst = 0f64;
-    for codec in codecs {
+    for codec in AFFINE_CODECS {
         // (12,4,128): 3 query heads per KV head, so 2 queries fill 6 of 8 columns.
         for (qh, kvh, d) in [(32, 8, 128), (8, 8, 64), (2, 1, 128), (12, 4, 128)] {
             let g = qh / kvh;
