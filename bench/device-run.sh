@@ -3,7 +3,7 @@
 # carried in .device/, then the steps named as arguments, each logged under $OUT.
 #   parity  kv-cache-parity (the CUDA KV backend against the CPU cache)
 #   chunkread  kv-read-bench chunk: the fused chunk read alone against an f64 reference, timed
-#   paritychunk  kv-cache-parity with TESSERA_FUSED_CHUNK=1 (the fused chunk read in the cache)
+#   readparity  kv-read-bench parity: every decode-read kernel against an f64 reference
 #   eval    perplexity of a synthetic gemma3-270m, --device cpu vs cuda, bf16/affine:4/affine:8
 #   e2e     tessera bench --device cuda, synthetic gemma3-270m, depth 32k, batch 1 and 16
 #   e2eglobal  synthetic gemma3-270m, batch 16, depth 32k, affine:4 on the global layers only
@@ -11,7 +11,8 @@
 #   profile8b  the synthetic Llama-3-8B, batch 1, depth 32k, with TESSERA_KV_PROFILE=1
 #   e2e12b  the same for a synthetic gemma3-12b, batch 1
 #   e2e8b   synthetic Llama-3-8B (every layer global): batch 1 and 16 at 32k, batch 1 at 128k
-#           (E2E8B_RUNS: "BATCH:DEPTH ..." instead)
+#           (E2E8B_RUNS: "BATCH:DEPTH ..." instead; E2E8B_GEN tokens, 32; E2E8B_BINS: the
+#           carried tessera binaries to run in turn, "tessera"; E2E8B_KVS, "bf16 affine:4")
 #   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
 #   real    tessera bench on the staged real Gemma 3 270M file ($STAGED)
 #   realeval  eval (decode regime) of the staged file, --device cpu vs cuda
@@ -33,9 +34,7 @@ for step in "$@"; do
   case $step in
     parity) log parity; $B/kv-cache-parity 2>&1 | tee $OUT/parity.txt ;;
     chunkread) log chunkread; $B/kv-read-bench chunk 2>&1 | tee $OUT/chunk-read.txt ;;
-    paritychunk)
-      # The fused chunk read (off by default until this passes).
-      log paritychunk; TESSERA_FUSED_CHUNK=1 $B/kv-cache-parity 2>&1 | tee $OUT/parity-chunk.txt ;;
+    readparity) log readparity; $B/kv-read-bench parity 2>&1 | tee $OUT/read-parity.txt ;;
     eval)
       log eval; synth gemma3-270m
       for dev in cpu cuda; do
@@ -74,10 +73,13 @@ for step in "$@"; do
       done ;;
     e2e8b)
       log e2e8b; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
-      for run in ${E2E8B_RUNS:-1:32768 16:32768 1:130000}; do set -- ${run/:/ }; for kv in bf16 affine:4; do
-        $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
-          --gen-tokens 32 --prompt-tokens 2048 --repeat 1 --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
-      done; done ;;
+      for run in ${E2E8B_RUNS:-1:32768 16:32768 1:130000}; do set -- ${run/:/ }
+        for bin in ${E2E8B_BINS:-tessera}; do for kv in ${E2E8B_KVS:-bf16 affine:4}; do
+          echo "-- $bin" | tee -a $OUT/e2e-8b.txt
+          $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
+            --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens 2048 --repeat 1 --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
+        done; done
+      done ;;
     stage)
       mkdir -p $(dirname $STAGED)
       for f in .device/stage/s*; do

@@ -71,16 +71,18 @@ impl<'m> Rows<'m> {
         Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1()?)
     }
 
-    /// One decode step: row r gets `next[r]`.
-    fn step(&mut self, next: &[u32]) -> Result<Vec<u32>> {
+    /// One decode step: row r gets `next[r]`. Also returns the seconds the host took to
+    /// submit the step (the forward pass returning), before waiting for its tokens: on a
+    /// GPU, a step whose submit time is close to its total is bound by the host.
+    fn step(&mut self, next: &[u32]) -> Result<(Vec<u32>, f64)> {
+        let t = Instant::now();
         let ids = Tensor::from_slice(next, (next.len(), 1), self.model.device())?;
         let logits = self
             .model
             .forward(&ids, &mut self.cache, LogitsMode::Last)?;
-        Ok(logits
-            .squeeze(1)?
-            .argmax(candle_core::D::Minus1)?
-            .to_vec1()?)
+        let argmax = logits.squeeze(1)?.argmax(candle_core::D::Minus1)?;
+        let submit = t.elapsed().as_secs_f64();
+        Ok((argmax.to_vec1()?, submit))
     }
 }
 
@@ -128,12 +130,19 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
     let context = synthetic_tokens(depth.max(1), model.vocab_size(), bos);
     let mut next = rows.feed(&context)?;
     // One untimed step warms the decode path.
-    next = rows.step(&next)?;
+    next = rows.step(&next)?.0;
     let t = Instant::now();
+    let mut submit = 0.0;
     for _ in 0..gen_tokens {
-        next = rows.step(&next)?;
+        let (n, s) = rows.step(&next)?;
+        (next, submit) = (n, submit + s);
     }
-    let decode_tps = (batch * gen_tokens) as f64 / t.elapsed().as_secs_f64();
+    let elapsed = t.elapsed().as_secs_f64();
+    let decode_tps = (batch * gen_tokens) as f64 / elapsed;
+    let (step_ms, submit_ms) = (
+        1e3 * elapsed / gen_tokens as f64,
+        1e3 * submit / gen_tokens as f64,
+    );
     let cache = &rows.cache;
     let rss = peak_rss_bytes().unwrap_or(0);
     if json {
@@ -141,7 +150,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             "{}",
             serde_json::json!({
                 "model": model.architecture(), "device": margs.device, "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
-                "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps,
+                "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps, "decode_step_ms": step_ms, "decode_submit_ms": submit_ms,
                 "peak_rss_bytes": rss, "kv_bytes_per_token": cache.bytes_per_token(), "kv_allocated_bytes": cache.allocated_bytes(),
             })
         );
@@ -155,7 +164,8 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         );
         println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up; all rows)");
         println!(
-            "decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth}; all rows)"
+            "decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth}; all rows; a \
+             step {step_ms:.2} ms, {submit_ms:.2} of them submitting)"
         );
         println!(
             "peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated",

@@ -8,7 +8,7 @@
 //! 64, 128 or 256 with keys and values of one width. Other codecs get an error naming them
 //! when the cache is first used on the device.
 
-use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes};
+use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Scratch};
 use crate::PLANES_CU;
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
@@ -78,6 +78,9 @@ struct Kernels {
     encode: CudaFunction,
     decode: CudaFunction,
     copy: CudaFunction,
+    /// The decode reads' partial states, shared by every layer (the reads run in stream
+    /// order; the lock is held from a read's first launch to its last).
+    scratch: Mutex<Option<Scratch>>,
 }
 
 /// Installs the CUDA backend into tessera-kv (once per process).
@@ -124,6 +127,7 @@ impl CudaBackend {
             encode: module.load_function("encode_rows")?,
             decode: module.load_function("decode_rows")?,
             copy: module.load_function("copy_blocks")?,
+            scratch: Mutex::new(None),
         });
         *slot = Some(k.clone());
         Ok(k)
@@ -460,13 +464,6 @@ impl DevicePlanes for CudaPlanes {
     }
 }
 
-/// `TESSERA_FUSED_CHUNK=1`: chunk reads through the fused kernel (not yet run on the
-/// device; the default decodes the slots to f32 for candle's attention).
-fn fused_chunk() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_FUSED_CHUNK").is_ok_and(|v| v == "1"))
-}
-
 impl CudaPlanes {
     fn profile_op(&self, base: usize) -> usize {
         base + usize::from(self.gpu != GpuCodec::Bf16)
@@ -531,22 +528,22 @@ impl CudaPlanes {
         }
         let g = qh / geo.heads;
         let k = &self.kernels;
-        let served = fused_chunk()
-            && geo.value_dim == geo.head_dim
+        let served = geo.value_dim == geo.head_dim
             && g <= 8
             && k.read.has_chunk(self.gpu, d, g).map_err(device_error)?;
         if !served {
             return Ok(None);
         }
         let planes = self.planes()?;
-        let q = (q.to_dtype(DType::F32)? * scale as f64)?.contiguous()?;
+        let q = f32_storage(q)?;
         let pads: Vec<i32> = pads.iter().map(|&p| p as i32).collect();
         let out = with_f32(&q, |qs, offset| {
-            anyhow::ensure!(offset == 0, "query copy at offset {offset}");
+            let qs = qs.slice(offset..);
             let s = &k.read.stream;
             let pads = s.clone_htod(&pads)?;
             let mut out = s.alloc_zeros::<f32>(b * qh * n * d)?;
-            k.read.chunk(planes, g, qs, &pads, start, n, 0, &mut out)?;
+            k.read
+                .chunk(planes, g, &qs, scale, &pads, start, n, 0, &mut out)?;
             Ok(out)
         })?;
         Ok(Some(wrap(k, out, &[b, qh, n, d])))
@@ -568,20 +565,21 @@ impl CudaPlanes {
             });
         }
         let g = qh / geo.heads;
-        // A fresh contiguous f32 copy carrying the softmax scale (offset 0).
-        let q = (q.to_dtype(DType::F32)? * scale as f64)?.contiguous()?;
+        let q = f32_storage(q)?;
         let k = &self.kernels;
-        let starts: Vec<i32> = spans.iter().map(|s| s.0 as i32).collect();
-        let ends: Vec<i32> = spans.iter().map(|s| s.1 as i32).collect();
         let max_len = spans.iter().map(|s| s.1 - s.0).max().unwrap_or(0);
         let out = with_f32(&q, |qs, offset| {
-            anyhow::ensure!(offset == 0, "query copy at offset {offset}");
-            let s = &k.read.stream;
-            let (starts, ends) = (s.clone_htod(&starts)?, s.clone_htod(&ends)?);
-            let mut scratch = k.read.scratch(planes, g, max_len.max(1))?;
-            let mut out = s.alloc_zeros::<f32>(b * qh * d)?;
-            k.read
-                .decode(planes, g, qs, &starts, &ends, &mut scratch, &mut out)?;
+            let qs = qs.slice(offset..);
+            let read = &k.read;
+            let plan = read.plan(None, planes, g, max_len)?;
+            let mut scratch = k.scratch.lock().unwrap();
+            if !scratch.as_ref().is_some_and(|s| s.fits(&plan, planes, g)) {
+                *scratch = Some(read.scratch(&plan, planes, g)?);
+            }
+            let scratch = scratch.as_mut().expect("just made");
+            // SAFETY: the merge writes every element of `out` before anything reads it.
+            let mut out = unsafe { read.stream.alloc::<f32>(b * qh * d)? };
+            read.decode(&plan, planes, g, &qs, scale, spans, scratch, &mut out)?;
             Ok(out)
         })?;
         Ok(wrap(k, out, &[b, qh, 1, d]))

@@ -5,7 +5,8 @@ use crate::{plan_splits, DECODE_CU};
 use anyhow::{bail, Context, Result};
 use candle_core::cuda_backend::cudarc;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -91,19 +92,52 @@ impl Variant {
     pub const ALL: [Variant; 3] = [Variant::Simt, Variant::TensorCore, Variant::Folded];
 }
 
+/// Rows one decode launch's spans cover (decode.cu's SPAN_ROWS); a larger batch launches
+/// the partial kernel once per run of rows.
+const SPAN_ROWS: usize = 256;
+
+/// decode.cu's `struct Spans`: the positions each row of a launch attends, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Spans {
+    row0: i32,
+    start: [i32; SPAN_ROWS],
+    end: [i32; SPAN_ROWS],
+}
+
+// SAFETY: plain integers, laid out as the kernels' `struct Spans`.
+unsafe impl DeviceRepr for Spans {}
+
+/// A partial kernel and the blocks of it the driver fits on one SM (asked once).
+#[derive(Clone)]
+struct Partial {
+    f: CudaFunction,
+    per_sm: usize,
+}
+
+impl Partial {
+    fn load(module: &Arc<cudarc::driver::CudaModule>, name: &str) -> Result<Self> {
+        let f = module.load_function(name)?;
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)?
+            .max(1) as usize;
+        Ok(Partial { f, per_sm })
+    }
+}
+
 /// The partial kernels of one configuration (those the codec has) and the merge.
 #[derive(Clone)]
 struct Kernels {
-    simt: CudaFunction,
-    tc: Option<CudaFunction>,
-    folded: Option<CudaFunction>,
+    simt: Partial,
+    tc: Option<Partial>,
+    folded: Option<Partial>,
     /// The folded read for a chunk of queries (same codecs as `folded`).
-    chunk: Option<CudaFunction>,
+    chunk: Option<Partial>,
     merge: CudaFunction,
 }
 
 impl Kernels {
-    fn partial(&self, variant: Variant) -> Option<&CudaFunction> {
+    fn partial(&self, variant: Variant) -> Option<&Partial> {
         match variant {
             Variant::Simt => Some(&self.simt),
             Variant::TensorCore => self.tc.as_ref(),
@@ -191,14 +225,14 @@ impl DecodeRead {
         // For bf16 rows of 256 the tensor-core kernel's registers (two tiles of 16 rows
         // in flight) cost more occupancy than it gains: measured slower there.
         let tc = match codec {
-            GpuCodec::Bf16 if d <= 128 => Some(module.load_function("kv_decode_partial_tc")?),
+            GpuCodec::Bf16 if d <= 128 => Some(Partial::load(&module, "kv_decode_partial_tc")?),
             GpuCodec::Bf16 => None,
             GpuCodec::Affine { bits: 4, group } if d / 4 <= group => {
-                Some(module.load_function("kv_decode_partial_tc")?)
+                Some(Partial::load(&module, "kv_decode_partial_tc")?)
             }
             // 8-bit rows of 256 spill (a lane holds 64 key bytes per row, two tiles deep).
             GpuCodec::Affine { bits: 8, group } if d / 4 <= group && d <= 128 => {
-                Some(module.load_function("kv_decode_partial_tc")?)
+                Some(Partial::load(&module, "kv_decode_partial_tc")?)
             }
             GpuCodec::Affine { .. } => None,
         };
@@ -208,14 +242,14 @@ impl DecodeRead {
             if (group * bits as usize / 8) % 32 == 0 && group <= d && d <= 128);
         let (folded, chunk) = if foldable {
             (
-                Some(module.load_function("kv_decode_partial_fold")?),
-                Some(module.load_function("kv_chunk_partial_fold")?),
+                Some(Partial::load(&module, "kv_decode_partial_fold")?),
+                Some(Partial::load(&module, "kv_chunk_partial_fold")?),
             )
         } else {
             (None, None)
         };
         let k = Kernels {
-            simt: module.load_function("kv_decode_partial")?,
+            simt: Partial::load(&module, "kv_decode_partial")?,
             tc,
             folded,
             chunk,
@@ -299,50 +333,52 @@ impl DecodeRead {
         })
     }
 
-    /// The kernel [`Self::decode`] runs: the folded one where the codec has it, else
+    /// The kernel a read runs by default: the folded one where the codec has it, else
     /// tensor cores, else CUDA cores.
     pub fn default_variant(&self, codec: GpuCodec, d: usize, g: usize) -> Result<Variant> {
-        for variant in [Variant::Folded, Variant::TensorCore] {
-            if self.has(codec, d, g, variant)? {
-                return Ok(variant);
-            }
-        }
-        Ok(Variant::Simt)
+        let kernels = self.kernels(codec, d, g)?;
+        Ok([Variant::Folded, Variant::TensorCore]
+            .into_iter()
+            .find(|&v| kernels.partial(v).is_some())
+            .unwrap_or(Variant::Simt))
     }
 
-    /// Scratch for a read's partial states, split for the default kernel.
-    pub fn scratch(&self, planes: &GpuPlanes, g: usize, max_len: usize) -> Result<Scratch> {
-        let variant = self.default_variant(planes.codec, planes.d, g)?;
-        self.scratch_for(variant, planes, g, max_len)
-    }
-
-    /// Scratch split for `variant`: one wave of the blocks the driver says fit per SM.
-    pub fn scratch_for(
+    /// How a read of up to `max_len` positions per row runs with `variant` (the default
+    /// kernel when `None`): one wave of the blocks the driver fits per SM.
+    pub fn plan(
         &self,
-        variant: Variant,
+        variant: Option<Variant>,
         planes: &GpuPlanes,
         g: usize,
         max_len: usize,
-    ) -> Result<Scratch> {
+    ) -> Result<Plan> {
+        let variant = match variant {
+            Some(v) => v,
+            None => self.default_variant(planes.codec, planes.d, g)?,
+        };
         let kernels = self.kernels(planes.codec, planes.d, g)?;
-        let f = kernels
+        let partial = kernels
             .partial(variant)
             .with_context(|| format!("no {variant:?} kernel for {}", planes.codec.name()))?;
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)?
-            .max(1);
         let (splits, chunk) = plan_splits(
             planes.batch,
             planes.kv_heads,
-            max_len,
-            per_sm as usize * self.sms,
+            max_len.max(1),
+            partial.per_sm * self.sms,
         );
-        let rows = planes.batch * planes.kv_heads * g * splits;
-        Ok(Scratch {
+        Ok(Plan {
+            variant,
             splits,
             chunk,
-            ml: self.stream.alloc_zeros::<f32>(rows * 2)?,
-            acc: self.stream.alloc_zeros::<f32>(rows * planes.d)?,
+        })
+    }
+
+    /// Scratch for the partial softmax states of `plan` (reusable by any smaller plan).
+    pub fn scratch(&self, plan: &Plan, planes: &GpuPlanes, g: usize) -> Result<Scratch> {
+        let states = plan.states(planes, g);
+        Ok(Scratch {
+            ml: self.stream.alloc_zeros::<f32>(states * 2)?,
+            acc: self.stream.alloc_zeros::<f32>(states * planes.d)?,
         })
     }
 
@@ -351,70 +387,71 @@ impl DecodeRead {
         Ok(self.kernels(codec, d, g)?.partial(variant).is_some())
     }
 
-    /// `out (batch, kv_heads·g, d) = softmax(q·Kᵀ)·V` over positions `[starts[b], ends[b])`
-    /// of each row; `q (batch, kv_heads·g, d)` already carries the softmax scale. Runs the
-    /// tensor-core kernel where the codec has one.
+    /// `out (batch, kv_heads·g, d) = softmax(scale · q·Kᵀ)·V`, row b over its stored
+    /// positions `spans[b] = (start, end)`, for `q (batch, kv_heads·g, d)`. Nothing is
+    /// copied from the host: the spans travel as kernel parameters.
     #[allow(clippy::too_many_arguments)]
     pub fn decode(
         &self,
+        plan: &Plan,
         planes: &GpuPlanes,
         g: usize,
-        q: &CudaSlice<f32>,
-        starts: &CudaSlice<i32>,
-        ends: &CudaSlice<i32>,
-        scratch: &mut Scratch,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let variant = self.default_variant(planes.codec, planes.d, g)?;
-        self.decode_with(variant, planes, g, q, starts, ends, scratch, out)
-    }
-
-    /// [`Self::decode`] with a chosen kernel.
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode_with(
-        &self,
-        variant: Variant,
-        planes: &GpuPlanes,
-        g: usize,
-        q: &CudaSlice<f32>,
-        starts: &CudaSlice<i32>,
-        ends: &CudaSlice<i32>,
+        q: &CudaView<f32>,
+        scale: f32,
+        spans: &[(usize, usize)],
         scratch: &mut Scratch,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let kernels = self.kernels(planes.codec, planes.d, g)?;
-        let Some(partial) = kernels.partial(variant) else {
-            bail!("no {variant:?} decode for {}", planes.codec.name())
+        let Some(partial) = kernels.partial(plan.variant) else {
+            bail!("no {:?} decode for {}", plan.variant, planes.codec.name())
         };
+        if spans.len() != planes.batch {
+            bail!("{} spans for {} rows", spans.len(), planes.batch);
+        }
+        if !scratch.fits(plan, planes, g) {
+            bail!("decode scratch smaller than its plan");
+        }
+        let qscale = scale * std::f32::consts::LOG2_E;
         let (kv_heads, capacity, chunk) = (
             planes.kv_heads as i32,
             planes.capacity as i32,
-            scratch.chunk as i32,
+            plan.chunk as i32,
         );
-        let mut b = self.stream.launch_builder(partial);
-        b.arg(q)
-            .arg(&planes.k)
-            .arg(&planes.kp)
-            .arg(&planes.v)
-            .arg(&planes.vp)
-            .arg(starts)
-            .arg(ends)
-            .arg(&kv_heads)
-            .arg(&capacity)
-            .arg(&chunk)
-            .arg(&mut scratch.ml)
-            .arg(&mut scratch.acc);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                scratch.splits as u32,
-                planes.kv_heads as u32,
-                planes.batch as u32,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg)? };
-        let splits = scratch.splits as i32;
+        for (run, rows) in spans.chunks(SPAN_ROWS).enumerate() {
+            let mut arg = Spans {
+                row0: (run * SPAN_ROWS) as i32,
+                start: [0; SPAN_ROWS],
+                end: [0; SPAN_ROWS],
+            };
+            for (i, &(a, b)) in rows.iter().enumerate() {
+                (arg.start[i], arg.end[i]) = (a as i32, b as i32);
+            }
+            let mut b = self.stream.launch_builder(&partial.f);
+            b.arg(q)
+                .arg(&qscale)
+                .arg(&planes.k)
+                .arg(&planes.kp)
+                .arg(&planes.v)
+                .arg(&planes.vp)
+                .arg(&arg)
+                .arg(&kv_heads)
+                .arg(&capacity)
+                .arg(&chunk)
+                .arg(&mut scratch.ml)
+                .arg(&mut scratch.acc);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    plan.splits as u32,
+                    planes.kv_heads as u32,
+                    rows.len() as u32,
+                ),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            unsafe { b.launch(cfg)? };
+        }
+        let splits = plan.splits as i32;
         let mut b = self.stream.launch_builder(&kernels.merge);
         b.arg(&scratch.ml).arg(&scratch.acc).arg(out).arg(&splits);
         let cfg = LaunchConfig {
@@ -434,7 +471,7 @@ impl DecodeRead {
     }
 
     /// The chunk (prefill) read: `out (batch, kv_heads·g, n, d)` for queries `q` (same
-    /// layout, softmax scale folded in) at positions `start .. start + n` of every row,
+    /// layout; scores scaled by `scale`) at positions `start .. start + n` of every row,
     /// over slots `0 .. start + n` (slot = position): causal, slots before `pads[b]`
     /// hidden from row b, a padding query seeing only itself, and with `window > 0` only
     /// the last `window` positions.
@@ -443,7 +480,8 @@ impl DecodeRead {
         &self,
         planes: &GpuPlanes,
         g: usize,
-        q: &CudaSlice<f32>,
+        q: &CudaView<f32>,
+        scale: f32,
         pads: &CudaSlice<i32>,
         start: usize,
         n: usize,
@@ -454,16 +492,13 @@ impl DecodeRead {
         let Some(f) = kernels.chunk.as_ref() else {
             bail!("no chunk read for {}", planes.codec.name())
         };
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)?
-            .max(1) as usize;
         // Queries per block (8 / g of them share the mma's columns), blocks per split.
         let groups = n.div_ceil(8 / g);
         let (splits, chunk) = plan_splits(
             planes.batch * groups,
             planes.kv_heads,
             start + n,
-            per_sm * self.sms,
+            f.per_sm * self.sms,
         );
         let rows = planes.batch * planes.kv_heads * g * n;
         let s = &self.stream;
@@ -474,8 +509,10 @@ impl DecodeRead {
         let (start_, n_, window_) = (start as i32, n as i32, window as i32);
         let (kv_heads, capacity, chunk_) =
             (planes.kv_heads as i32, planes.capacity as i32, chunk as i32);
-        let mut b = s.launch_builder(f);
+        let qscale = scale * std::f32::consts::LOG2_E;
+        let mut b = s.launch_builder(&f.f);
         b.arg(q)
+            .arg(&qscale)
             .arg(&planes.k)
             .arg(&planes.kp)
             .arg(&planes.v)
@@ -515,10 +552,32 @@ impl DecodeRead {
     }
 }
 
-/// Partial softmax states of one decode read.
-pub struct Scratch {
+/// How one decode read launches: its kernel and the sequence split over blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub variant: Variant,
     pub splits: usize,
+    /// Positions per split (a multiple of the kernels' block step).
     pub chunk: usize,
+}
+
+impl Plan {
+    /// Partial softmax states the plan writes: one per (row, query head, split).
+    fn states(&self, planes: &GpuPlanes, g: usize) -> usize {
+        planes.batch * planes.kv_heads * g * self.splits
+    }
+}
+
+/// Partial softmax states of decode reads (kept across reads on one stream: each read's
+/// kernels run in stream order, so the next read reuses it safely).
+pub struct Scratch {
     ml: CudaSlice<f32>,
     acc: CudaSlice<f32>,
+}
+
+impl Scratch {
+    pub fn fits(&self, plan: &Plan, planes: &GpuPlanes, g: usize) -> bool {
+        let states = plan.states(planes, g);
+        self.ml.len() >= states * 2 && self.acc.len() >= states * planes.d
+    }
 }

@@ -17,8 +17,16 @@ typedef unsigned short u16;
 // Warp steps per tile: their loads are all issued before any is used, and the softmax
 // state is rescaled once per tile rather than once per row.
 #define UNROLL (G > 4 ? 2 : 4)
-#define LOG2E 1.4426950408889634f
 #define NEG_BIG (-1.0e30f) // "no score yet": finite, so merging two empty states is no NaN
+
+// The spans of up to SPAN_ROWS rows, passed by value: a read copies nothing from the host
+// (a pageable copy per read cost an allocation, a copy and its tracking on every layer).
+#define SPAN_ROWS 256
+struct Spans {
+    int row0;
+    int start[SPAN_ROWS];
+    int end[SPAN_ROWS];
+};
 
 __device__ __forceinline__ float f16_to_f32(u32 h) {
     float f;
@@ -144,22 +152,25 @@ __device__ __forceinline__ void store_partials(const float (&ml)[WARPS][H][2],
     }
 }
 
-// grid (splits, kv_heads, batch), 128 threads. Row b attends its stored positions
-// [starts[b], ends[b]); split s takes `chunk` of them. Queries are pre-scaled (softmax
-// scale folded in), laid out (batch, kv_heads * G, D). Writes per (b, query head, split)
-// the running max and sum (part_ml) and the unnormalised output (part_acc).
+// grid (splits, kv_heads, rows of this launch), 128 threads. Row b = spans.row0 + z
+// attends its stored positions [spans.start[z], spans.end[z]); split s takes `chunk` of
+// them. Queries, laid out (batch, kv_heads * G, D), are multiplied by qscale (the softmax
+// scale times log2(e): scores in log2 units, so exp2 is one instruction). Writes per
+// (b, query head, split) the running max and sum (part_ml) and the unnormalised output
+// (part_acc).
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-kv_decode_partial(const float* __restrict__ q, const u32* __restrict__ kdata,
+kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restrict__ kdata,
                   const u32* __restrict__ kparams, const u32* __restrict__ vdata,
-                  const u32* __restrict__ vparams, const int* __restrict__ starts,
-                  const int* __restrict__ ends, int kv_heads, int capacity, int chunk,
-                  float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+                  const u32* __restrict__ vparams, const Spans spans, int kv_heads,
+                  int capacity, int chunk, float* __restrict__ part_ml,
+                  float* __restrict__ part_acc) {
+    const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
+    const int splits = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPR, e0 = (lane % LPR) * 8;
     const long block_rows = ((long)b * kv_heads + h) * capacity;
-    const int lo = starts[b] + split * chunk;
-    const int hi = min(ends[b], lo + chunk);
+    const int lo = spans.start[blockIdx.z] + split * chunk;
+    const int hi = min(spans.end[blockIdx.z], lo + chunk);
 
     float qr[G][8], m[G], l[G], acc[G][8];
 #pragma unroll
@@ -167,7 +178,7 @@ kv_decode_partial(const float* __restrict__ q, const u32* __restrict__ kdata,
         const float* qg = q + (((long)b * kv_heads + h) * G + g) * D + e0;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            qr[g][i] = qg[i] * LOG2E; // scores in log2 units: exp2 is one instruction
+            qr[g][i] = qg[i] * qscale; // scores in log2 units: exp2 is one instruction
             acc[g][i] = 0.f;
         }
         m[g] = NEG_BIG;
@@ -427,17 +438,19 @@ __device__ __forceinline__ void load_tile(Tile& t, const u32* __restrict__ kdata
 // The host plans one wave of as many blocks as the driver says fit per SM (3 for affine
 // rows of 128 at 146 registers; holding it to 4 blocks spilled and ran 1.2x slower).
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
+kv_decode_partial_tc(const float* __restrict__ q, float qscale,
+                     const u32* __restrict__ kdata,
                      const u32* __restrict__ kparams, const u32* __restrict__ vdata,
-                     const u32* __restrict__ vparams, const int* __restrict__ starts,
-                     const int* __restrict__ ends, int kv_heads, int capacity, int chunk,
+                     const u32* __restrict__ vparams, const Spans spans, int kv_heads,
+                     int capacity, int chunk,
                      float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
+    const int splits = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane >> 2, tq = lane & 3;
     const long block_rows = ((long)b * kv_heads + h) * capacity;
-    const int lo = starts[b] + split * chunk;
-    const int hi = min(ends[b], lo + chunk);
+    const int lo = spans.start[blockIdx.z] + split * chunk;
+    const int hi = min(spans.end[blockIdx.z], lo + chunk);
 
     // Q as A fragments (rows = heads), log2(e) folded in, heads past G zero.
     u32 qa[D / 16][2];
@@ -453,7 +466,7 @@ kv_decode_partial_tc(const float* __restrict__ q, const u32* __restrict__ kdata,
             k_offsets(j, o);
             float x[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) x[i] = real ? qg[o[i]] * LOG2E : 0.f;
+            for (int i = 0; i < 4; i++) x[i] = real ? qg[o[i]] * qscale : 0.f;
             qa[j][0] = pack2(x[0], x[1]);
             qa[j][1] = pack2(x[2], x[3]);
 #if SPLIT_OPERANDS
@@ -762,7 +775,7 @@ __device__ __forceinline__ u32 transpose8(u32 x) {
 // row at `qg` (zeros unless `real`); with CHUNK, C column 2tq + c also masks rows outside
 // [clo[c], chi[c]]. Leaves each warp's state per column in sm_ml / sm_acc and synchronizes.
 template <bool CHUNK>
-__device__ __forceinline__ void fold_pass(const float* __restrict__ qg, bool real,
+__device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qscale, bool real,
                                           const u32* __restrict__ kdata,
                                           const u32* __restrict__ kparams,
                                           const u32* __restrict__ vdata,
@@ -792,7 +805,7 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, bool rea
 #endif
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const float v = real ? qe[o[i]] * LOG2E : 0.f;
+                    const float v = real ? qe[o[i]] * qscale : 0.f;
                     sum += v;
                     x[i] = v * f[i];
                 }
@@ -978,23 +991,25 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, bool rea
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, FOLD_MIN_BLOCKS)
-kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdata,
+kv_decode_partial_fold(const float* __restrict__ q, float qscale,
+                        const u32* __restrict__ kdata,
                         const u32* __restrict__ kparams, const u32* __restrict__ vdata,
-                        const u32* __restrict__ vparams, const int* __restrict__ starts,
-                        const int* __restrict__ ends, int kv_heads, int capacity, int chunk,
+                        const u32* __restrict__ vparams, const Spans spans, int kv_heads,
+                        int capacity, int chunk,
                         float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, splits = gridDim.x;
+    const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
+    const int splits = gridDim.x;
     const int gid = (threadIdx.x % 32) >> 2;
     const long block_rows = ((long)b * kv_heads + h) * capacity;
-    const int lo = starts[b] + split * chunk;
-    const int hi = min(ends[b], lo + chunk);
+    const int lo = spans.start[blockIdx.z] + split * chunk;
+    const int hi = min(spans.end[blockIdx.z], lo + chunk);
     // Column gid is head gid (heads past G zero).
     const bool real = gid < G;
     const float* qg = q + (((long)b * kv_heads + h) * G + (real ? gid : 0)) * D;
     const int none[2] = {0, 0};
     __shared__ float sm_ml[WARPS][8][2];
     __shared__ float sm_acc[WARPS][8][D];
-    fold_pass<false>(qg, real, kdata, kparams, vdata, vparams, block_rows, lo, hi, none, none,
+    fold_pass<false>(qg, qscale, real, kdata, kparams, vdata, vparams, block_rows, lo, hi, none, none,
                      sm_ml, sm_acc);
     store_partials(sm_ml, sm_acc, b, h, kv_heads, split, splits, part_ml, part_acc);
 }
@@ -1008,11 +1023,11 @@ kv_decode_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdat
 // of the rows, KV head, row × query group). With one split the block writes the
 // normalized output; with more, partials in the decode layout with (head, query) as the
 // output row, merged by kv_decode_merge over (query heads × queries, rows).
-// Not yet run on the device: the backend calls it only under TESSERA_FUSED_CHUNK=1 until
-// kv-cache-parity passes with it. (Its pass is the decode read's, fold_pass.)
+// Its pass is the decode read's, fold_pass.
 #define PPB (8 / G)
 extern "C" __global__ void __launch_bounds__(WARPS * 32, FOLD_MIN_BLOCKS)
-kv_chunk_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdata,
+kv_chunk_partial_fold(const float* __restrict__ q, float qscale,
+                      const u32* __restrict__ kdata,
                       const u32* __restrict__ kparams, const u32* __restrict__ vdata,
                       const u32* __restrict__ vparams, const int* __restrict__ pads, int start,
                       int n, int window, int kv_heads, int capacity, int chunk,
@@ -1060,7 +1075,7 @@ kv_chunk_partial_fold(const float* __restrict__ q, const u32* __restrict__ kdata
     const float* qg = q + (real ? col_row(gid) * D : 0);
     __shared__ float sm_ml[WARPS][8][2];
     __shared__ float sm_acc[WARPS][8][D];
-    fold_pass<true>(qg, real, kdata, kparams, vdata, vparams, block_rows, lo, hi, clo, chi,
+    fold_pass<true>(qg, qscale, real, kdata, kparams, vdata, vparams, block_rows, lo, hi, clo, chi,
                     sm_ml, sm_acc);
     // Merge the warps per (column, element): the normalized output, or this split's
     // partial state.

@@ -143,12 +143,14 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
     let mut seed = 0x1234_5678u64;
     let mut worst = 0f64;
     for codec in std::iter::once(GpuCodec::Bf16).chain(AFFINE_CODECS) {
-        for (qh, kvh, d) in [
-            (4, 1, 256),
-            (32, 8, 128),
-            (8, 8, 64),
-            (64, 8, 128),
-            (2, 1, 128),
+        // (q heads, KV heads, dim, rows): 300 rows take two launches of spans.
+        for (qh, kvh, d, rows) in [
+            (4, 1, 256, 3),
+            (32, 8, 128, 3),
+            (8, 8, 64, 3),
+            (64, 8, 128, 3),
+            (2, 1, 128, 3),
+            (2, 1, 128, 300),
         ] {
             if let GpuCodec::Affine { group, .. } = codec {
                 if group > d {
@@ -156,7 +158,12 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
                 }
             }
             let g = qh / kvh;
-            let (b, n) = (3, 2100 + (seed as usize % 900));
+            let b = rows;
+            let n = if rows > 3 {
+                400
+            } else {
+                2100 + (seed as usize % 900)
+            };
             let shape = (b, kvh, n, d);
             // Keys and values with a few large channels, as real keys have.
             let k: Vec<f32> = (0..b * kvh * n * d)
@@ -164,24 +171,42 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
                 .collect();
             let v: Vec<f32> = (0..b * kvh * n * d).map(|_| lcg(&mut seed)).collect();
             let q: Vec<f32> = (0..b * qh * d).map(|_| lcg(&mut seed) * 0.2).collect();
-            // Left padding, a short row, a row of one position.
-            let starts = vec![0i32, 37, (n - 1) as i32];
-            let ends = vec![n as i32, (n - 290) as i32, n as i32];
+            // Left padding, a short row, a row of one position (in turn).
+            let starts: Vec<i32> = (0..b).map(|r| [0, 37, n as i32 - 1][r % 3]).collect();
+            let ends: Vec<i32> = (0..b)
+                .map(|r| [n as i32, n as i32 - 290, n as i32][r % 3])
+                .collect();
             let ([kw, vw, kp, vp], cap, kr, vr) = store(codec, &k, &v, shape)?;
             // The reference reads the stored values, laid out with the planes' capacity.
             let (kr, vr) = (regrid(&kr, shape, cap), regrid(&vr, shape, cap));
             let planes = gpu.upload(codec, (b, kvh, cap, d), &kw, &vw, &kp, &vp)?;
             let want = reference(&q, &kr, &vr, (b, kvh, cap, d), g, &starts, &ends);
             let s = &gpu.stream;
-            let qd = s.clone_htod(&q)?;
-            let (sd, ed) = (s.clone_htod(&starts)?, s.clone_htod(&ends)?);
+            // The device gets 8q and a scale of 1/8: the scale must reach the scores.
+            let qd = s.clone_htod(&q.iter().map(|x| x * 8.0).collect::<Vec<_>>())?;
+            let spans: Vec<(usize, usize)> = starts
+                .iter()
+                .zip(&ends)
+                .map(|(&a, &e)| (a as usize, e as usize))
+                .collect();
             for variant in Variant::ALL {
                 if !gpu.has(codec, d, g, variant)? {
                     continue;
                 }
                 let mut out: CudaSlice<f32> = s.clone_htod(&vec![f32::NAN; b * qh * d])?;
-                let mut scratch = gpu.scratch_for(variant, &planes, g, n)?;
-                gpu.decode_with(variant, &planes, g, &qd, &sd, &ed, &mut scratch, &mut out)?;
+                let plan = gpu.plan(Some(variant), &planes, g, n)?;
+                let mut scratch = gpu.scratch(&plan, &planes, g)?;
+                let qv = qd.as_view();
+                gpu.decode(
+                    &plan,
+                    &planes,
+                    g,
+                    &qv,
+                    0.125,
+                    &spans,
+                    &mut scratch,
+                    &mut out,
+                )?;
                 let name = format!("{} {variant:?} ({qh},{kvh},{d})", codec.name());
                 let rel = rel_err(&s.clone_dtoh(&out)?, &want, &name)?;
                 // f32 arithmetic lands far under 1e-3; bf16 operands (the tensor cores take
@@ -190,7 +215,7 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
                 worst = worst.max(rel);
                 println!(
                     "parity {name} b{b} n{n} splits {}: rel err {rel:.2e}",
-                    scratch.splits
+                    plan.splits
                 );
                 if !(rel <= bound) {
                     bail!("{name}: relative error {rel:.3e} over {bound:e}");
@@ -246,10 +271,11 @@ fn chunk_parity(gpu: &DecodeRead) -> Result<()> {
                     }
                 }
                 let s = &gpu.stream;
-                let qd = s.clone_htod(&q)?;
+                let qd = s.clone_htod(&q.iter().map(|x| x * 8.0).collect::<Vec<_>>())?;
                 let pd = s.clone_htod(&pads.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
                 let mut out: CudaSlice<f32> = s.clone_htod(&vec![f32::NAN; b * qh * n * d])?;
-                gpu.chunk(&planes, g, &qd, &pd, start, n, 0, &mut out)?;
+                let qv = qd.as_view();
+                gpu.chunk(&planes, g, &qv, 0.125, &pd, start, n, 0, &mut out)?;
                 let name = format!(
                     "chunk {} ({qh},{kvh},{d}) start {start} n {n}",
                     codec.name()
@@ -288,8 +314,9 @@ fn time_chunks(gpu: &DecodeRead) -> Result<()> {
             let qd = s.clone_htod(&q)?;
             let pd = s.clone_htod(&vec![0i32; b])?;
             let mut out = s.alloc_zeros::<f32>(b * qh * n * d)?;
+            let qv = qd.as_view();
             let us = timed(gpu, 10, || {
-                gpu.chunk(&planes, g, &qd, &pd, depth - n, n, 0, &mut out)
+                gpu.chunk(&planes, g, &qv, 1.0, &pd, depth - n, n, 0, &mut out)
             })?;
             println!(
                 "{:<14} {:>12} {:>5} {:>7} {:>7} {:>10.1}",
@@ -386,16 +413,16 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
                     let mut seed = 5u64;
                     let q: Vec<f32> = (0..b * qh * d).map(|_| lcg(&mut seed) * 0.1).collect();
                     let qd = s.clone_htod(&q)?;
-                    let sd = s.clone_htod(&vec![0i32; b])?;
-                    let ed = s.clone_htod(&vec![n as i32; b])?;
+                    let (qv, spans) = (qd.as_view(), vec![(0, n); b]);
                     let mut out = s.alloc_zeros::<f32>(b * qh * d)?;
                     for variant in chosen {
-                        let mut scratch = gpu.scratch_for(variant, &planes[0], g, n)?;
+                        let plan = gpu.plan(Some(variant), &planes[0], g, n)?;
+                        let mut scratch = gpu.scratch(&plan, &planes[0], g)?;
                         let mut i = 0;
                         let us = timed(gpu, 30, || {
                             i += 1;
                             let p = &planes[i % copies];
-                            gpu.decode_with(variant, p, g, &qd, &sd, &ed, &mut scratch, &mut out)
+                            gpu.decode(&plan, p, g, &qv, 1.0, &spans, &mut scratch, &mut out)
                         })?;
                         let gbs = one as f64 / us / 1e3;
                         println!(
