@@ -61,7 +61,18 @@ pub fn device(name: &str) -> Result<Device> {
 #[cfg(feature = "cuda")]
 fn cuda_device(ordinal: usize) -> Result<Device> {
     tessera_kernels::backend::install();
-    Device::new_cuda(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))
+    let device =
+        Device::new_cuda(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?;
+    if let Device::Cuda(cuda) = &device {
+        // cudarc gives every allocation two CUDA events for ordering work across streams;
+        // they are only waited on once a context has a second stream, which nothing in
+        // tessera makes (candle's stream carries the model and the cache kernels alike),
+        // so they would cost four driver calls per tensor for nothing.
+        // SAFETY: one stream per device: no tensor is used on a stream other than the
+        // one it was allocated on.
+        unsafe { cuda.disable_event_tracking() };
+    }
+    Ok(device)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -245,6 +245,10 @@ impl DecodeRead {
                 Some(Partial::load(&module, "kv_decode_partial_fold")?),
                 Some(Partial::load(&module, "kv_chunk_partial_fold")?),
             )
+        } else if codec == GpuCodec::Bf16 && d <= 128 {
+            // bf16 rows fold too (one group of 16-bit codes, split operands), for chunks;
+            // their decode read stays on the tensor-core kernel (at the copy floor).
+            (None, Some(Partial::load(&module, "kv_chunk_partial_fold")?))
         } else {
             (None, None)
         };

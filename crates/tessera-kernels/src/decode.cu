@@ -627,7 +627,9 @@ kv_decode_partial_tc(const float* __restrict__ q, float qscale,
 }
 #endif
 
-#if (CODEC == 4 || CODEC == 8) && (GROUP * CODEC / 8) % 32 == 0 && GROUP <= D && D <= 128
+#if ((CODEC == 4 || CODEC == 8) && (GROUP * CODEC / 8) % 32 == 0 && GROUP <= D) ||         \
+    CODEC == 0
+#if D <= 128
 // ---------------------------------------------------------------------------------------
 // The folded read (affine rows): the affine transform taken out of the unpack, and the
 // products transposed so every mma is whole.
@@ -653,16 +655,21 @@ kv_decode_partial_tc(const float* __restrict__ q, float qscale,
 // never leaves a group, so its accumulator has one scale per row); value lane gid holds
 // BPG = GROUP/8 contiguous codes of each group, and value block (group gr, jb) takes dims
 // gr·GROUP + gid·BPG + 2jb (m = gid) and the next one (m = gid + 8): one byte per row pair.
-#define NG (D / GROUP)
-#define KE (GROUP / 4)
-#define KGW (KE * CODEC / 32)
-#define BPG (GROUP / 8)
-#define VGW (BPG * CODEC / 32)
-#define GROUP_WORDS (GROUP * CODEC / 32)
+// bf16 rows (used for chunk reads) take the same layout as one group of D 16-bit "codes"
+// with no parameters: bf16 operands, q and P each split into two bf16 parts (≈ 16 bits,
+// as the tensor-core decode read does), values paired across rows by byte permutes.
+#define FGROUP (CODEC == 0 ? D : GROUP)
+#define EBITS (CODEC == 0 ? 16 : CODEC)
+#define NG (D / FGROUP)
+#define KE (FGROUP / 4)
+#define KGW (KE * EBITS / 32)
+#define BPG (FGROUP / 8)
+#define VGW (BPG * EBITS / 32)
+#define GROUP_WORDS (FGROUP * EBITS / 32)
 #ifndef DENORMAL_CODES
 #define DENORMAL_CODES 1
 #endif
-#if DENORMAL_CODES
+#if DENORMAL_CODES && CODEC != 0
 #define UNIT_INV 16777216.f // 2^24
 #else
 #define UNIT_INV 1.f
@@ -713,8 +720,10 @@ __device__ __forceinline__ void load_fold_full(FoldTile& t, const FoldBase& base
 #pragma unroll
         for (int gr = 0; gr < NG; gr++)
             load_words(t.kw[r][gr], k + 8 * r * ROW_WORDS + gr * GROUP_WORDS);
+#if CODEC != 0
         load_words(t.kp[r], kp + 8 * r * NG);
         load_words(t.vp[r], vp + 8 * r * NG);
+#endif
     }
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -738,8 +747,10 @@ __device__ __forceinline__ void load_fold_tail(FoldTile& t, const u32* __restric
 #pragma unroll
         for (int gr = 0; gr < NG; gr++)
             load_words(t.kw[r][gr], kdata + at * ROW_WORDS + gr * GROUP_WORDS + tq * KGW);
+#if CODEC != 0
         load_words(t.kp[r], kparams + at * NG);
         load_words(t.vp[r], vparams + at * NG);
+#endif
     }
     const int rows[4] = {r0 + 2 * tq, r0 + 2 * tq + 1, r0 + 2 * tq + 8, r0 + 2 * tq + 9};
 #pragma unroll
@@ -755,13 +766,13 @@ __device__ __forceinline__ void load_fold_tail(FoldTile& t, const u32* __restric
 __device__ __forceinline__ void mma16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                       u32 b1) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 {%0,%1,%2,%3}, "
         "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The 8×8 f16 matrix whose row gid, columns 2tq and 2tq+1 this lane holds, transposed
+// The 8×8 16-bit matrix whose row gid, columns 2tq and 2tq+1 this lane holds, transposed
 // (the lane then holds row gid, columns 2tq, 2tq+1 of the transpose).
 __device__ __forceinline__ u32 transpose8(u32 x) {
     u32 r;
@@ -786,14 +797,17 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qs
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane >> 2, tq = lane & 3;
     u32 qb[D / 16][2];
+#if CODEC == 0
+    u32 ql[D / 16][2]; // q's residual parts
+#endif
     float qsum[NG][2];
     {
 #pragma unroll
         for (int gr = 0; gr < NG; gr++) {
-            const float* qe = qg + gr * GROUP + tq * KE;
+            const float* qe = qg + gr * FGROUP + tq * KE;
             float sum = 0.f;
 #pragma unroll
-            for (int jj = 0; jj < GROUP / 16; jj++) {
+            for (int jj = 0; jj < FGROUP / 16; jj++) {
                 float x[4];
 #if CODEC == 4
                 const int e = 8 * (jj / 2) + 2 * (jj % 2);
@@ -809,9 +823,13 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qs
                     sum += v;
                     x[i] = v * f[i];
                 }
-                const int j = gr * (GROUP / 16) + jj;
+                const int j = gr * (FGROUP / 16) + jj;
                 qb[j][0] = pack2(x[0], x[1]);
                 qb[j][1] = pack2(x[2], x[3]);
+#if CODEC == 0
+                ql[j][0] = residual2(x[0], x[1], qb[j][0]);
+                ql[j][1] = residual2(x[2], x[3], qb[j][1]);
+#endif
             }
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -834,9 +852,16 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qs
         for (int gr = 0; gr < NG; gr++) {
             float sg[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-            for (int jj = 0; jj < GROUP / 16; jj++) {
-                const int j = gr * (GROUP / 16) + jj;
-#if CODEC == 4
+            for (int jj = 0; jj < FGROUP / 16; jj++) {
+                const int j = gr * (FGROUP / 16) + jj;
+#if CODEC == 0
+                // Words 2jj, 2jj + 1 of rows gid, gid + 8: k = 2tq.., 2tq + 8.. (q alike).
+                const u32 *w0 = t.kw[0][gr], *w1 = t.kw[1][gr];
+                mma16(sg, w0[2 * jj], w1[2 * jj], w0[2 * jj + 1], w1[2 * jj + 1], qb[j][0],
+                      qb[j][1]);
+                mma16(sg, w0[2 * jj], w1[2 * jj], w0[2 * jj + 1], w1[2 * jj + 1], ql[j][0],
+                      ql[j][1]);
+#elif CODEC == 4
                 const u32 w0 = t.kw[0][gr][jj / 2] >> (8 * (jj % 2));
                 const u32 w1 = t.kw[1][gr][jj / 2] >> (8 * (jj % 2));
                 mma16(sg, code_pair(w0, 0x000F000Fu), code_pair(w1, 0x000F000Fu),
@@ -856,10 +881,15 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qs
             }
 #pragma unroll
             for (int r = 0; r < 2; r++) {
+#if CODEC == 0
+#pragma unroll
+                for (int c = 0; c < 2; c++) s[r][c] += sg[2 * r + c];
+#else
                 const float scale = lo_f16(t.kp[r][gr]), bias = hi_f16(t.kp[r][gr]);
 #pragma unroll
                 for (int c = 0; c < 2; c++)
                     s[r][c] = fmaf(scale * UNIT_INV, sg[2 * r + c], fmaf(bias, qsum[gr][c], s[r][c]));
+#endif
             }
         }
         // Online softmax per head over the tile's 16 rows (spread over the 8 gid lanes).
@@ -898,19 +928,40 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qs
             float ps[2][2];
 #pragma unroll
             for (int r = 0; r < 2; r++) {
+#if CODEC == 0
+                ps[r][0] = p[r][0];
+                ps[r][1] = p[r][1];
+#else
                 const float scale = lo_f16(t.vp[r][gr]), bias = hi_f16(t.vp[r][gr]);
 #pragma unroll
                 for (int c = 0; c < 2; c++) {
                     ps[r][c] = p[r][c] * scale;
                     bacc[gr][c] = fmaf(p[r][c], bias, r == 0 ? bacc[gr][c] * corr[c] : bacc[gr][c]);
                 }
+#endif
             }
+#if CODEC == 0
+            const u32 pb0 = pack2(ps[0][0], ps[0][1]), pb1 = pack2(ps[1][0], ps[1][1]);
+            const u32 b0 = transpose8(pb0), b1 = transpose8(pb1);
+            const u32 r0b = transpose8(residual2(ps[0][0], ps[0][1], pb0));
+            const u32 r1b = transpose8(residual2(ps[1][0], ps[1][1], pb1));
+#else
             const u32 b0 = transpose8(pack2(ps[0][0], ps[0][1]));
             const u32 b1 = transpose8(pack2(ps[1][0], ps[1][1]));
+#endif
 #pragma unroll
-            for (int jb = 0; jb < GROUP / 16; jb++) {
+            for (int jb = 0; jb < FGROUP / 16; jb++) {
                 // Dims 2jb (m = gid) and 2jb + 1 (m = gid + 8) of lane gid's codes.
-#if CODEC == 4
+#if CODEC == 0
+                // Word jb of rows 2tq, 2tq+1 (and +8, +9): low halves pair as m = gid,
+                // high halves as m = gid + 8.
+                const u32 x0 = t.vw[0][gr][jb], x1 = t.vw[1][gr][jb];
+                const u32 x2 = t.vw[2][gr][jb], x3 = t.vw[3][gr][jb];
+                const u32 a0 = __byte_perm(x0, x1, 0x5410), a1 = __byte_perm(x0, x1, 0x7632);
+                const u32 a2 = __byte_perm(x2, x3, 0x5410), a3 = __byte_perm(x2, x3, 0x7632);
+                mma16(acc[jb], a0, a1, a2, a3, b0, b1);
+                mma16(acc[jb], a0, a1, a2, a3, r0b, r1b);
+#elif CODEC == 4
                 const int w = jb / 4, byte = jb % 4;
                 const u32 sel = byte | ((4 + byte) << 8);
                 const u32 x01 = __byte_perm(t.vw[0][gr][w], t.vw[1][gr][w], sel);
@@ -970,13 +1021,13 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qs
     // for 4-bit codes). Merge the warps.
 #pragma unroll
     for (int blk = 0; blk < VBLOCKS; blk++) {
-        const int gr = blk / (GROUP / 16), jb = blk % (GROUP / 16);
+        const int gr = blk / (FGROUP / 16), jb = blk % (FGROUP / 16);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const float unit = (CODEC == 4 && i == 1) ? UNIT_INV / 16 : UNIT_INV;
 #pragma unroll
             for (int c = 0; c < 2; c++)
-                sm_acc[warp][2 * tq + c][gr * GROUP + gid * BPG + 2 * jb + i] =
+                sm_acc[warp][2 * tq + c][gr * FGROUP + gid * BPG + 2 * jb + i] =
                     fmaf(acc[blk][2 * i + c], unit, bacc[gr][c]);
         }
     }
@@ -1097,7 +1148,8 @@ kv_chunk_partial_fold(const float* __restrict__ q, float qscale,
         }
     }
 }
-#endif
+#endif // D <= 128
+#endif // foldable codec
 
 // grid (query heads, batch), 256 threads: merges the splits of one output row. Warp w
 // folds splits w, w + 8, ... (lane: elements lane, lane + 32, ...), so a long split list
