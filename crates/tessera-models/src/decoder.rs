@@ -418,7 +418,7 @@ impl Decoder {
                     matrix(g, p("attn_q"), c.heads * c.head_dim, c.hidden)?,
                     matrix(g, p("attn_k"), c.kv_heads * c.head_dim, c.hidden)?,
                     matrix(g, p("attn_v"), c.kv_heads * c.value_dim, c.hidden)?,
-                ]),
+                ])?,
                 o: matrix(g, p("attn_output"), c.hidden, c.heads * c.value_dim)?,
                 qk_norm,
                 heads: c.heads,
@@ -435,7 +435,7 @@ impl Decoder {
                     gate_up: Projections::new(vec![
                         matrix(g, p("ffn_gate"), c.ffn, c.hidden)?,
                         matrix(g, p("ffn_up"), c.ffn, c.hidden)?,
-                    ]),
+                    ])?,
                     down: matrix(g, p("ffn_down"), c.hidden, c.ffn)?,
                     gelu: match options.mlp_activation {
                         MlpActivation::Architecture => arch.gelu(),
