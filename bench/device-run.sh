@@ -4,8 +4,6 @@
 #   parity  kv-cache-parity (the CUDA KV backend against the CPU cache)
 #   chunkread  kv-read-bench chunk: the fused chunk read alone against an f64 reference, timed
 #   readparity  kv-read-bench parity: every decode-read kernel against an f64 reference
-#   paritybf16  kv-cache-parity with TESSERA_BF16_CHUNK=1 (bf16 chunks through the fused
-#           kernel, off by default until this and chunkread pass)
 #   eval    perplexity of a synthetic gemma3-270m, --device cpu vs cuda, bf16/affine:4/affine:8
 #   e2e     tessera bench --device cuda, synthetic gemma3-270m, depth 32k, batch 1 and 16
 #   e2eglobal  synthetic gemma3-270m, batch 16, depth 32k, affine:4 on the global layers only
@@ -37,7 +35,6 @@ for step in "$@"; do
     parity) log parity; $B/kv-cache-parity 2>&1 | tee $OUT/parity.txt ;;
     chunkread) log chunkread; $B/kv-read-bench chunk 2>&1 | tee $OUT/chunk-read.txt ;;
     readparity) log readparity; $B/kv-read-bench parity 2>&1 | tee $OUT/read-parity.txt ;;
-    paritybf16) log paritybf16; TESSERA_BF16_CHUNK=1 $B/kv-cache-parity 2>&1 | tee $OUT/parity-bf16-chunk.txt ;;
     eval)
       log eval; synth gemma3-270m
       for dev in cpu cuda; do

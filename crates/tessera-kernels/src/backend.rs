@@ -464,14 +464,6 @@ impl DevicePlanes for CudaPlanes {
     }
 }
 
-/// `TESSERA_BF16_CHUNK=1`: chunk reads of bf16 planes through the fused kernel too (written
-/// without a device at hand: off until kv-read-bench chunk and kv-cache-parity pass with
-/// it; the default decodes the slots to f32 for candle's attention).
-fn bf16_chunk() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_BF16_CHUNK").is_ok_and(|v| v == "1"))
-}
-
 impl CudaPlanes {
     fn profile_op(&self, base: usize) -> usize {
         base + usize::from(self.gpu != GpuCodec::Bf16)
@@ -536,8 +528,7 @@ impl CudaPlanes {
         }
         let g = qh / geo.heads;
         let k = &self.kernels;
-        let served = (self.gpu != GpuCodec::Bf16 || bf16_chunk())
-            && geo.value_dim == geo.head_dim
+        let served = geo.value_dim == geo.head_dim
             && g <= 8
             && k.read.has_chunk(self.gpu, d, g).map_err(device_error)?;
         if !served {
