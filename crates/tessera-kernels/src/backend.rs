@@ -4,11 +4,11 @@
 //! candle's stream for the device, so the model's tensors and the cache's kernels are
 //! ordered without host synchronization.
 //!
-//! Served: bf16 (plain) and affine 4/8 bits with groups of 32, 64 or 128, for head dims of
-//! 64, 128 or 256 with keys and values of one width. Other codecs get an error naming them
+//! Served: bf16 (plain), affine 4/8 bits with groups of 32, 64 or 128, and TurboQuant of
+//! 2..=8 bits, for head dims of 64, 128 or 256 with keys and values of one width. Other codecs get an error naming them
 //! when the cache is first used on the device.
 
-use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Scratch};
+use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Scratch, TurboDevice};
 use crate::PLANES_CU;
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
@@ -69,7 +69,8 @@ fn timed<R>(kernels: &Kernels, op: usize, f: impl FnOnce() -> R) -> R {
     r
 }
 use tessera_kv::device::{DeviceBackend, DevicePlanes, PlaneGeometry};
-use tessera_kv::{grown_capacity, Codec, KvError, PlainDType};
+use tessera_kv::turbo_planes::TurboPlanes;
+use tessera_kv::{grown_capacity, Codec, KvError, PlainDType, TurboPrep};
 
 /// The kernels of one device.
 struct Kernels {
@@ -77,6 +78,8 @@ struct Kernels {
     read: DecodeRead,
     encode: CudaFunction,
     decode: CudaFunction,
+    turbo_encode: CudaFunction,
+    turbo_decode: CudaFunction,
     copy: CudaFunction,
     /// The decode reads' partial states, shared by every layer (the reads run in stream
     /// order; the lock is held from a read's first launch to its last).
@@ -126,6 +129,8 @@ impl CudaBackend {
             read: DecodeRead::with_stream(stream)?,
             encode: module.load_function("encode_rows")?,
             decode: module.load_function("decode_rows")?,
+            turbo_encode: module.load_function("turbo_encode")?,
+            turbo_decode: module.load_function("turbo_decode_rows")?,
             copy: module.load_function("copy_blocks")?,
             scratch: Mutex::new(None),
         });
@@ -166,7 +171,7 @@ fn gpu_codec(codec: Codec, g: PlaneGeometry) -> Result<GpuCodec, String> {
         },
         Codec::Affine { .. } => return Err("the CUDA kernels cover affine 4 and 8 bits".into()),
         Codec::Plain(_) => return Err("the CUDA cache stores plain keys in bf16".into()),
-        Codec::Turbo { .. } => return Err("TurboQuant has no CUDA kernels yet".into()),
+        Codec::Turbo { kbits, vbits, .. } => GpuCodec::Turbo { kbits, vbits },
     };
     if g.head_dim != g.value_dim || ![64, 128, 256].contains(&g.head_dim) {
         return Err(format!(
@@ -193,12 +198,27 @@ impl DeviceBackend for CudaBackend {
             reason,
         })?;
         let kernels = self.kernels(dev).map_err(device_error)?;
+        let turbo = match codec {
+            Codec::Turbo { kbits, vbits, .. } => {
+                let g = geometry;
+                let host = TurboPlanes::new(kbits, vbits, g.rows, g.heads, g.head_dim, g.value_dim);
+                let device =
+                    TurboDevice::upload(&kernels.read.stream, &host.tables(), g.heads, g.head_dim)
+                        .map_err(device_error)?;
+                Some(TurboState {
+                    host,
+                    device: Arc::new(device),
+                })
+            }
+            _ => None,
+        };
         Ok(Some(Box::new(CudaPlanes {
             kernels,
             codec,
             gpu,
             geometry,
             planes: None,
+            turbo,
         })))
     }
 }
@@ -211,6 +231,15 @@ struct CudaPlanes {
     geometry: PlaneGeometry,
     /// Allocated on the first reserve.
     planes: Option<GpuPlanes>,
+    turbo: Option<TurboState>,
+}
+
+/// A turbo layer's tables: tessera-kv's empty planes of the codec (its rotations and
+/// codebooks, and where the key preparation is fitted, with the CPU's own code) and their
+/// copy on the device.
+struct TurboState {
+    host: TurboPlanes,
+    device: Arc<TurboDevice>,
 }
 
 impl std::fmt::Debug for CudaPlanes {
@@ -228,6 +257,16 @@ impl std::fmt::Debug for CudaPlanes {
 /// A launch over `n` independent items (the kernels loop grid-stride).
 fn grid(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems((n.clamp(1, 1 << 22)) as u32)
+}
+
+/// One block of `d` threads per vector, for `vectors` vectors (the kernels loop over the
+/// rest when there are more than a launch holds).
+fn per_vector(vectors: usize, d: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (vectors.clamp(1, 1 << 20) as u32, 1, 1),
+        block_dim: (d as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// `t` as f32 on the device, contiguous (its storage may still start at an offset).
@@ -262,18 +301,22 @@ impl CudaPlanes {
         self.geometry.rows * self.geometry.heads
     }
 
-    fn words(&self) -> (usize, usize) {
-        self.gpu.row_words(self.geometry.head_dim)
+    /// Words of a row of `plane` (0 keys, 1 values) and of its parameters.
+    fn words(&self, plane: usize) -> (usize, usize) {
+        self.gpu.plane_words(self.geometry.head_dim, plane)
     }
 
+    /// planes.cu's `bits` and `group` for bf16 and affine rows.
     fn bits_group(&self) -> (i32, i32) {
         match self.gpu {
             GpuCodec::Bf16 => (0, 64),
             GpuCodec::Affine { bits, group } => (bits as i32, group as i32),
+            GpuCodec::Turbo { .. } => unreachable!("turbo rows have their own kernels"),
         }
     }
 
-    /// Encodes `x` `(blocks, n, d)` into slots `slot ..` of `codes`/`params` (`cap` slots).
+    /// Encodes `x` `(blocks, n, d)` into slots `slot ..` of `codes`/`params` (`cap` slots)
+    /// of `plane` (0 keys, 1 values).
     fn encode(
         &self,
         x: &Tensor,
@@ -281,10 +324,14 @@ impl CudaPlanes {
         params: &mut CudaSlice<u32>,
         cap: usize,
         slot: usize,
+        plane: usize,
     ) -> Result<(), KvError> {
         let (b, h, n, d) = x.dims4()?;
         let x = f32_storage(x)?;
         let k = &self.kernels;
+        if let Some(t) = &self.turbo {
+            return self.turbo_encode(&x, (b * h, n, d), codes, params, cap, slot, plane, t);
+        }
         let (bits, group) = self.bits_group();
         let per_row = if bits == 0 { d / 2 } else { d / group as usize };
         with_f32(&x, |xs, offset| {
@@ -309,7 +356,9 @@ impl CudaPlanes {
         })
     }
 
-    /// Slots `slot .. slot + len` of `codes`/`params` (`cap` slots) as f32 `(blocks, len, d)`.
+    /// Slots `slot .. slot + len` of `codes`/`params` (`cap` slots) of `plane` as f32
+    /// `(blocks, len, d)`.
+    #[allow(clippy::too_many_arguments)]
     fn decode_slots(
         &self,
         codes: &CudaSlice<u32>,
@@ -318,9 +367,13 @@ impl CudaPlanes {
         cap: usize,
         slot: usize,
         len: usize,
+        plane: usize,
     ) -> Result<CudaSlice<f32>, KvError> {
         let k = &self.kernels;
         let d = self.geometry.head_dim;
+        if let Some(t) = &self.turbo {
+            return self.turbo_decode(codes, params, (blocks, cap, slot, len), plane, t);
+        }
         let (bits, group) = self.bits_group();
         let run = || -> anyhow::Result<CudaSlice<f32>> {
             let mut out = k
@@ -346,33 +399,135 @@ impl CudaPlanes {
         run().map_err(device_error)
     }
 
+    /// The turbo encode of `x` (f32, contiguous, `(blocks, n, d)`), as [`Self::encode`].
+    #[allow(clippy::too_many_arguments)]
+    fn turbo_encode(
+        &self,
+        x: &Tensor,
+        (blocks, n, d): (usize, usize, usize),
+        codes: &mut CudaSlice<u32>,
+        norms: &mut CudaSlice<u32>,
+        cap: usize,
+        slot: usize,
+        plane: usize,
+        t: &TurboState,
+    ) -> Result<(), KvError> {
+        let k = &self.kernels;
+        let dev = &t.device;
+        let bits = self.turbo_bits(plane);
+        // Values carry no preparation.
+        let prep = if plane == 0 { dev.prep } else { 0 };
+        with_f32(x, |xs, offset| {
+            let xs = xs.slice(offset..);
+            let signs = dev.signs.slice(plane * d..(plane + 1) * d);
+            let thresholds = dev.thresholds.slice(plane * 256..(plane + 1) * 256);
+            let (nb, n_i, d_i, cap, slot) =
+                (blocks as i64, n as i32, d as i32, cap as i32, slot as i32);
+            let (levels, heads) = (dev.counts[plane] as i32, self.geometry.heads as i32);
+            let mut l = k.read.stream.launch_builder(&k.turbo_encode);
+            l.arg(&xs)
+                .arg(codes)
+                .arg(norms)
+                .arg(&nb)
+                .arg(&n_i)
+                .arg(&d_i)
+                .arg(&cap)
+                .arg(&slot)
+                .arg(&bits)
+                .arg(&signs)
+                .arg(&thresholds)
+                .arg(&levels)
+                .arg(&heads)
+                .arg(&prep)
+                .arg(&dev.mean)
+                .arg(&dev.scale);
+            unsafe { l.launch(per_vector(blocks * n, d))? };
+            Ok(())
+        })
+    }
+
+    /// The turbo decode of slots, as [`Self::decode_slots`] (keys with their preparation
+    /// undone).
+    fn turbo_decode(
+        &self,
+        codes: &CudaSlice<u32>,
+        norms: &CudaSlice<u32>,
+        (blocks, cap, slot, len): (usize, usize, usize, usize),
+        plane: usize,
+        t: &TurboState,
+    ) -> Result<CudaSlice<f32>, KvError> {
+        let k = &self.kernels;
+        let dev = &t.device;
+        let d = self.geometry.head_dim;
+        let bits = self.turbo_bits(plane);
+        let prep = if plane == 0 { dev.prep } else { 0 };
+        let run = || -> anyhow::Result<CudaSlice<f32>> {
+            // SAFETY: the kernel writes every element (one block per row, d threads).
+            let mut out = unsafe { k.read.stream.alloc::<f32>((blocks * len * d).max(1))? };
+            let signs = dev.signs.slice(plane * d..(plane + 1) * d);
+            let levels = dev.levels.slice(plane * 256..(plane + 1) * 256);
+            let (nb, len_i, d_i, cap, slot) =
+                (blocks as i64, len as i32, d as i32, cap as i32, slot as i32);
+            let heads = self.geometry.heads as i32;
+            let mut l = k.read.stream.launch_builder(&k.turbo_decode);
+            l.arg(codes)
+                .arg(norms)
+                .arg(&mut out)
+                .arg(&nb)
+                .arg(&len_i)
+                .arg(&d_i)
+                .arg(&cap)
+                .arg(&slot)
+                .arg(&bits)
+                .arg(&signs)
+                .arg(&levels)
+                .arg(&heads)
+                .arg(&prep)
+                .arg(&dev.mean)
+                .arg(&dev.scale);
+            if blocks * len > 0 {
+                unsafe { l.launch(per_vector(blocks * len, d))? };
+            }
+            Ok(out)
+        };
+        run().map_err(device_error)
+    }
+
+    fn turbo_bits(&self, plane: usize) -> i32 {
+        match self.gpu {
+            GpuCodec::Turbo { kbits, vbits } => i32::from(if plane == 0 { kbits } else { vbits }),
+            _ => unreachable!("called for turbo planes only"),
+        }
+    }
+
     fn alloc(&self, capacity: usize) -> anyhow::Result<GpuPlanes> {
         let s = &self.kernels.read.stream;
         let rows = self.blocks() * capacity;
-        let (w, p) = self.words();
+        let ((wk, pk), (wv, pv)) = (self.words(0), self.words(1));
         Ok(GpuPlanes {
             codec: self.gpu,
             batch: self.geometry.rows,
             kv_heads: self.geometry.heads,
             capacity,
             d: self.geometry.head_dim,
-            k: s.alloc_zeros::<u32>((rows * w).max(1))?,
-            v: s.alloc_zeros::<u32>((rows * w).max(1))?,
-            kp: s.alloc_zeros::<u32>((rows * p).max(1))?,
-            vp: s.alloc_zeros::<u32>((rows * p).max(1))?,
+            k: s.alloc_zeros::<u32>((rows * wk).max(1))?,
+            v: s.alloc_zeros::<u32>((rows * wv).max(1))?,
+            kp: s.alloc_zeros::<u32>((rows * pk).max(1))?,
+            vp: s.alloc_zeros::<u32>((rows * pv).max(1))?,
+            turbo: self.turbo.as_ref().map(|t| t.device.clone()),
         })
     }
 
     /// Copies every block's first `old` slots into `new` (a larger capacity).
     fn copy_into(&self, old: &GpuPlanes, new: &mut GpuPlanes) -> anyhow::Result<()> {
         let k = &self.kernels;
-        let (w, p) = self.words();
+        let ((wk, pk), (wv, pv)) = (self.words(0), self.words(1));
         let blocks = self.blocks() as i64;
         for (src, dst, per) in [
-            (&old.k, &mut new.k, w),
-            (&old.v, &mut new.v, w),
-            (&old.kp, &mut new.kp, p),
-            (&old.vp, &mut new.vp, p),
+            (&old.k, &mut new.k, wk),
+            (&old.v, &mut new.v, wv),
+            (&old.kp, &mut new.kp, pk),
+            (&old.vp, &mut new.vp, pv),
         ] {
             if per == 0 {
                 continue;
@@ -432,8 +587,28 @@ impl DevicePlanes for CudaPlanes {
         self.read_now(slot, len)
     }
 
-    fn as_stored(&self, x: &Tensor, _keys: bool) -> Result<Tensor, KvError> {
-        self.as_stored_now(x)
+    fn as_stored(&self, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
+        self.as_stored_now(x, usize::from(!keys))
+    }
+
+    fn fit_key_prep(&mut self, k: &Tensor, prep: TurboPrep) -> Result<(), KvError> {
+        let Some(t) = &mut self.turbo else {
+            return Ok(());
+        };
+        t.host.fit_key_prep(k, prep)?;
+        let g = self.geometry;
+        let device = TurboDevice::upload(
+            &self.kernels.read.stream,
+            &t.host.tables(),
+            g.heads,
+            g.head_dim,
+        )
+        .map_err(device_error)?;
+        t.device = Arc::new(device);
+        if let Some(p) = &mut self.planes {
+            p.turbo = Some(t.device.clone());
+        }
+        Ok(())
     }
 
     fn decode(&self, q: &Tensor, spans: &[(usize, usize)], scale: f32) -> Result<Tensor, KvError> {
@@ -459,8 +634,8 @@ impl DevicePlanes for CudaPlanes {
     }
 
     fn bytes_per_position(&self) -> usize {
-        let (w, p) = self.words();
-        self.geometry.heads * 2 * 4 * (w + p)
+        let ((wk, pk), (wv, pv)) = (self.words(0), self.words(1));
+        self.geometry.heads * 4 * (wk + pk + wv + pv)
     }
 }
 
@@ -476,8 +651,8 @@ impl CudaPlanes {
             .ok_or_else(|| KvError::Device("write before reserve".into()))?;
         let cap = planes.capacity;
         let done = self
-            .encode(k, &mut planes.k, &mut planes.kp, cap, slot)
-            .and_then(|_| self.encode(v, &mut planes.v, &mut planes.vp, cap, slot));
+            .encode(k, &mut planes.k, &mut planes.kp, cap, slot, 0)
+            .and_then(|_| self.encode(v, &mut planes.v, &mut planes.vp, cap, slot, 1));
         self.planes = Some(planes);
         done
     }
@@ -486,17 +661,18 @@ impl CudaPlanes {
         let p = self.planes()?;
         let g = self.geometry;
         let shape = [g.rows, g.heads, len, g.head_dim];
-        let k = self.decode_slots(&p.k, &p.kp, self.blocks(), p.capacity, slot, len)?;
-        let v = self.decode_slots(&p.v, &p.vp, self.blocks(), p.capacity, slot, len)?;
+        let k = self.decode_slots(&p.k, &p.kp, self.blocks(), p.capacity, slot, len, 0)?;
+        let v = self.decode_slots(&p.v, &p.vp, self.blocks(), p.capacity, slot, len, 1)?;
         Ok((
             wrap(&self.kernels, k, &shape),
             wrap(&self.kernels, v, &shape),
         ))
     }
 
-    fn as_stored_now(&self, x: &Tensor) -> Result<Tensor, KvError> {
+    /// `x` encoded into a scratch plane of `plane`'s codec and decoded back.
+    fn as_stored_now(&self, x: &Tensor, plane: usize) -> Result<Tensor, KvError> {
         let (b, h, n, d) = x.dims4()?;
-        let (w, p) = self.words();
+        let (w, p) = self.words(plane);
         let s = &self.kernels.read.stream;
         let scratch = || -> anyhow::Result<(CudaSlice<u32>, CudaSlice<u32>)> {
             Ok((
@@ -505,8 +681,8 @@ impl CudaPlanes {
             ))
         };
         let (mut codes, mut params) = scratch().map_err(device_error)?;
-        self.encode(x, &mut codes, &mut params, n, 0)?;
-        let out = self.decode_slots(&codes, &params, b * h, n, 0, n)?;
+        self.encode(x, &mut codes, &mut params, n, 0, plane)?;
+        let out = self.decode_slots(&codes, &params, b * h, n, 0, n, plane)?;
         Ok(wrap(&self.kernels, out, &[b, h, n, d]))
     }
 

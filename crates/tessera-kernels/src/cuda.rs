@@ -20,21 +20,38 @@ pub enum GpuCodec {
         bits: u8,
         group: usize,
     },
+    /// TurboQuant codes (`kbits` for keys, `vbits` for values, 2..=8) of the rotated unit
+    /// vector, with one word per row holding its f16 norm.
+    Turbo {
+        kbits: u8,
+        vbits: u8,
+    },
 }
 
 impl GpuCodec {
-    fn define(&self) -> (u32, usize) {
+    /// The decode kernels' #defines for this codec (besides D and G).
+    fn defines(&self) -> String {
         match *self {
-            GpuCodec::Bf16 => (0, 64),
-            GpuCodec::Affine { bits, group } => (bits as u32, group),
+            GpuCodec::Bf16 => "#define CODEC 0\n#define GROUP 64".into(),
+            GpuCodec::Affine { bits, group } => {
+                format!("#define CODEC {bits}\n#define GROUP {group}")
+            }
+            GpuCodec::Turbo { kbits, vbits } => {
+                format!("#define CODEC 1\n#define GROUP 64\n#define KBITS {kbits}\n#define VBITS {vbits}")
+            }
         }
     }
 
-    /// u32 words of one stored row of `d` elements, and of its (scale, bias) pairs.
-    pub fn row_words(&self, d: usize) -> (usize, usize) {
+    /// u32 words of one stored row of `d` elements of plane `plane` (0 keys, 1 values),
+    /// and of its parameters ((scale, bias) pairs; a turbo row's norm).
+    pub fn plane_words(&self, d: usize, plane: usize) -> (usize, usize) {
         match *self {
             GpuCodec::Bf16 => (d / 2, 0),
             GpuCodec::Affine { bits, group } => (d * bits as usize / 32, d / group),
+            GpuCodec::Turbo { kbits, vbits } => {
+                let bits = if plane == 0 { kbits } else { vbits };
+                (d * bits as usize / 32, 1)
+            }
         }
     }
 
@@ -42,7 +59,67 @@ impl GpuCodec {
         match *self {
             GpuCodec::Bf16 => "bf16".into(),
             GpuCodec::Affine { bits, group } => format!("affine:{bits}:{group}"),
+            GpuCodec::Turbo { kbits, vbits } => format!("turbo:{kbits}:{vbits}"),
         }
+    }
+}
+
+/// A turbo layer's tables on the device (tessera-kv's `TurboTables`): per plane the
+/// rotation's signs and the codebook, and the keys' fitted preparation.
+pub struct TurboDevice {
+    /// (2, 256): keys' levels, then values' (padded).
+    pub levels: CudaSlice<f32>,
+    /// (2, 256): thresholds, as `levels`.
+    pub thresholds: CudaSlice<f32>,
+    /// (2, d): keys' signs, then values'.
+    pub signs: CudaSlice<f32>,
+    /// Levels per plane (2^bits).
+    pub counts: [usize; 2],
+    /// Bit 0: keys centred on `mean`; bit 1: keys divided by `scale` (both (heads, d);
+    /// zeros and ones where not fitted, so the query side can always multiply by `scale`).
+    pub prep: i32,
+    pub mean: CudaSlice<f32>,
+    pub scale: CudaSlice<f32>,
+}
+
+impl TurboDevice {
+    pub fn upload(
+        stream: &Arc<CudaStream>,
+        t: &tessera_kv::turbo_planes::TurboTables,
+        heads: usize,
+        d: usize,
+    ) -> Result<Self> {
+        let padded = |x: &[Vec<f32>; 2]| -> Vec<f32> {
+            let mut out = vec![0f32; 512];
+            for (p, v) in x.iter().enumerate() {
+                out[p * 256..][..v.len()].copy_from_slice(v);
+            }
+            out
+        };
+        if t.signs.iter().any(|s| s.len() != d) {
+            bail!(
+                "turbo tables for dim {} on planes of dim {d}",
+                t.signs[0].len()
+            );
+        }
+        let prep = i32::from(t.key_mean.is_some()) | (i32::from(t.key_scale.is_some()) << 1);
+        let mean = t.key_mean.clone().unwrap_or_else(|| vec![0.0; heads * d]);
+        let scale = t.key_scale.clone().unwrap_or_else(|| vec![1.0; heads * d]);
+        if mean.len() != heads * d || scale.len() != heads * d {
+            bail!(
+                "turbo key preparation of {} values for {heads} heads of {d}",
+                mean.len()
+            );
+        }
+        Ok(TurboDevice {
+            levels: stream.clone_htod(&padded(&t.levels))?,
+            thresholds: stream.clone_htod(&padded(&t.thresholds))?,
+            signs: stream.clone_htod(&t.signs.concat())?,
+            counts: [t.levels[0].len(), t.levels[1].len()],
+            prep,
+            mean: stream.clone_htod(&mean)?,
+            scale: stream.clone_htod(&scale)?,
+        })
     }
 }
 
@@ -55,9 +132,11 @@ pub struct GpuPlanes {
     pub d: usize,
     pub k: CudaSlice<u32>,
     pub v: CudaSlice<u32>,
-    /// (scale, bias) pairs as one u32 each; a one-word dummy for bf16.
+    /// (scale, bias) pairs as one u32 each (turbo: the f16 norm); a one-word dummy for bf16.
     pub kp: CudaSlice<u32>,
     pub vp: CudaSlice<u32>,
+    /// Turbo planes' tables.
+    pub turbo: Option<Arc<TurboDevice>>,
 }
 
 impl GpuPlanes {
@@ -70,8 +149,11 @@ impl GpuPlanes {
         len: usize,
         d: usize,
     ) -> usize {
-        let (w, p) = codec.row_words(d);
-        2 * 4 * (w + p) * batch * kv_heads * len
+        let words = |p| {
+            let (w, q) = codec.plane_words(d, p);
+            w + q
+        };
+        4 * (words(0) + words(1)) * batch * kv_heads * len
     }
 }
 
@@ -134,6 +216,8 @@ struct Kernels {
     /// The folded read for a chunk of queries (same codecs as `folded`).
     chunk: Option<Partial>,
     merge: CudaFunction,
+    /// Turbo: the query's rotation before the read and the output's after it.
+    turbo: Option<(CudaFunction, CudaFunction)>,
 }
 
 impl Kernels {
@@ -211,14 +295,11 @@ impl DecodeRead {
         if let Some(k) = map.get(&(codec, d, g)) {
             return Ok(k.clone());
         }
-        let (c, group) = codec.define();
         // TESSERA_KERNEL_DEFINES: extra #define lines, for experiments on the device.
         let extra = std::env::var("TESSERA_KERNEL_DEFINES").unwrap_or_default();
         let module = compile(
             &self.ctx,
-            &format!(
-                "#define CODEC {c}\n#define D {d}\n#define G {g}\n#define GROUP {group}\n{extra}"
-            ),
+            &format!("{}\n#define D {d}\n#define G {g}\n{extra}", codec.defines()),
         )?;
         // The tensor-core kernel gives each lane d/4 elements of a key row and d/8 of a
         // value row, which must lie in one affine group.
@@ -234,7 +315,7 @@ impl DecodeRead {
             GpuCodec::Affine { bits: 8, group } if d / 4 <= group && d <= 128 => {
                 Some(Partial::load(&module, "kv_decode_partial_tc")?)
             }
-            GpuCodec::Affine { .. } => None,
+            GpuCodec::Affine { .. } | GpuCodec::Turbo { .. } => None,
         };
         // A folded lane reads (group · bits / 8) / 8 bytes of a value row per group: whole
         // words. Rows of 256 would hold too many registers (two tiles in flight).
@@ -258,6 +339,13 @@ impl DecodeRead {
             folded,
             chunk,
             merge: module.load_function("kv_decode_merge")?,
+            turbo: match codec {
+                GpuCodec::Turbo { .. } => Some((
+                    module.load_function("turbo_rotate_queries")?,
+                    module.load_function("turbo_unrotate")?,
+                )),
+                _ => None,
+            },
         };
         map.insert((codec, d, g), k.clone());
         Ok(k)
@@ -283,7 +371,10 @@ impl DecodeRead {
         seed: u32,
     ) -> Result<GpuPlanes> {
         let rows = batch * kv_heads * capacity;
-        let (w, p) = codec.row_words(d);
+        if matches!(codec, GpuCodec::Turbo { .. }) {
+            bail!("random planes have no turbo tables");
+        }
+        let (w, p) = codec.plane_words(d, 0);
         let mut k = self.stream.alloc_zeros::<u32>(rows * w)?;
         let mut v = self.stream.alloc_zeros::<u32>(rows * w)?;
         let mut kp = self.stream.alloc_zeros::<u32>((rows * p).max(1))?;
@@ -303,6 +394,7 @@ impl DecodeRead {
             v,
             kp,
             vp,
+            turbo: None,
         })
     }
 
@@ -334,6 +426,7 @@ impl DecodeRead {
             v: self.stream.clone_htod(v)?,
             kp: self.stream.clone_htod(&or_dummy(kp))?,
             vp: self.stream.clone_htod(&or_dummy(vp))?,
+            turbo: None,
         })
     }
 
@@ -422,6 +515,35 @@ impl DecodeRead {
             planes.capacity as i32,
             plan.chunk as i32,
         );
+        let vectors = planes.batch * planes.kv_heads * g;
+        let per_vector = |n: usize| LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (planes.d as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Turbo keys are stored rotated (and scaled): the query follows them first.
+        let turbo = match (&kernels.turbo, &planes.turbo) {
+            (Some(f), Some(t)) => Some((f, t)),
+            (None, _) => None,
+            (Some(_), None) => bail!("turbo planes without their tables"),
+        };
+        let rotated = match turbo {
+            Some(((rotate, _), t)) => {
+                // SAFETY: the rotation writes every element before the read uses it.
+                let mut qr = unsafe { self.stream.alloc::<f32>(vectors * planes.d)? };
+                let mut b = self.stream.launch_builder(rotate);
+                b.arg(q)
+                    .arg(&mut qr)
+                    .arg(&t.scale)
+                    .arg(&t.signs)
+                    .arg(&kv_heads);
+                unsafe { b.launch(per_vector(vectors))? };
+                Some(qr)
+            }
+            None => None,
+        };
+        let q_read = rotated.as_ref().map(|r| r.slice(..));
+        let q = q_read.as_ref().unwrap_or(q);
         for (run, rows) in spans.chunks(SPAN_ROWS).enumerate() {
             let mut arg = Spans {
                 row0: (run * SPAN_ROWS) as i32,
@@ -444,6 +566,9 @@ impl DecodeRead {
                 .arg(&chunk)
                 .arg(&mut scratch.ml)
                 .arg(&mut scratch.acc);
+            if let Some((_, t)) = turbo {
+                b.arg(&t.levels);
+            }
             let cfg = LaunchConfig {
                 grid_dim: (
                     plan.splits as u32,
@@ -457,13 +582,23 @@ impl DecodeRead {
         }
         let splits = plan.splits as i32;
         let mut b = self.stream.launch_builder(&kernels.merge);
-        b.arg(&scratch.ml).arg(&scratch.acc).arg(out).arg(&splits);
+        b.arg(&scratch.ml)
+            .arg(&scratch.acc)
+            .arg(&mut *out)
+            .arg(&splits);
         let cfg = LaunchConfig {
             grid_dim: ((planes.kv_heads * g) as u32, planes.batch as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         unsafe { b.launch(cfg)? };
+        if let Some(((_, unrotate), t)) = turbo {
+            // Values were accumulated in their rotated space.
+            let values_signs = t.signs.slice(planes.d..);
+            let mut b = self.stream.launch_builder(unrotate);
+            b.arg(out).arg(&values_signs);
+            unsafe { b.launch(per_vector(vectors))? };
+        }
         Ok(())
     }
 }

@@ -4,7 +4,9 @@
 //
 // Compiled at run time (NVRTC) once per configuration, set by the host as #defines:
 //   CODEC  0 = bf16 rows, 4 / 8 = affine codes (u32 words, element i at bit i*CODEC of
-//          the row) with an f16 (scale, bias) pair per GROUP elements: x = scale*c + bias
+//          the row) with an f16 (scale, bias) pair per GROUP elements: x = scale*c + bias;
+//          1 = TurboQuant rows (KBITS / VBITS-bit codes, element i at bit i*BITS, and one
+//          word per row holding its f16 norm): x = norm * level[c], in the rotated space
 //   D      head dim (64, 128 or 256); G query heads per KV head; GROUP affine group size
 // No CUDA headers: bf16 and f16 are widened by hand, so NVRTC needs no include path.
 
@@ -42,10 +44,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// The raw bytes of 8 elements [e0, e0 + 8) of stored row `row`.
+// The raw bytes of 8 elements [e0, e0 + 8) of stored row `row` of plane P (0 keys,
+// 1 values: only turbo rows differ between them).
 struct Raw {
 #if CODEC == 0
     uint4 w;
+#elif CODEC == 1
+    unsigned long long w;
+    float n;
 #elif CODEC == 4
     u32 w;
     u32 p;
@@ -55,11 +61,36 @@ struct Raw {
 #endif
 };
 
+#if CODEC == 1
+// Each plane's codebook, copied into shared memory by every block that reads turbo rows.
+__shared__ float turbo_levels[2][256];
+#define PLANE_BITS(P) ((P) == 0 ? KBITS : VBITS)
+#endif
+
+template <int P>
 __device__ __forceinline__ Raw load_raw(const u32* __restrict__ data,
                                         const u32* __restrict__ params, long row, int e0) {
     Raw r;
 #if CODEC == 0
     r.w = __ldg((const uint4*)(data + row * (D / 2) + e0 / 2));
+#elif CODEC == 1
+    // A lane's 8 codes are BITS whole bytes at byte BITS * e0 / 8 of the row.
+    constexpr int BITS = PLANE_BITS(P);
+    const unsigned char* bytes =
+        (const unsigned char*)(data + row * (D * BITS / 32)) + e0 / 8 * BITS;
+    if (BITS == 2) {
+        r.w = __ldg((const u16*)bytes);
+    } else if (BITS == 4) {
+        r.w = __ldg((const u32*)bytes);
+    } else if (BITS == 8) {
+        const uint2 t = __ldg((const uint2*)bytes);
+        r.w = t.x | ((unsigned long long)t.y << 32);
+    } else {
+        r.w = 0;
+#pragma unroll
+        for (int i = 0; i < BITS; i++) r.w |= (unsigned long long)__ldg(bytes + i) << (8 * i);
+    }
+    r.n = f16_to_f32(__ldg(params + row) & 0xffff);
 #elif CODEC == 4
     r.w = __ldg(data + row * (D / 8) + e0 / 8);
     r.p = __ldg(params + row * (D / GROUP) + e0 / GROUP);
@@ -70,6 +101,7 @@ __device__ __forceinline__ Raw load_raw(const u32* __restrict__ data,
     return r;
 }
 
+template <int P>
 __device__ __forceinline__ void widen(const Raw& r, float x[8]) {
 #if CODEC == 0
     const u32 w[4] = {r.w.x, r.w.y, r.w.z, r.w.w};
@@ -78,6 +110,11 @@ __device__ __forceinline__ void widen(const Raw& r, float x[8]) {
         x[2 * j] = __uint_as_float(w[j] << 16);
         x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
     }
+#elif CODEC == 1
+    constexpr int BITS = PLANE_BITS(P);
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        x[i] = r.n * turbo_levels[P][(u32)(r.w >> (BITS * i)) & ((1u << BITS) - 1)];
 #else
     const float scale = f16_to_f32(r.p & 0xffff), bias = f16_to_f32(r.p >> 16);
     // Codes become floats through the exponent of 2^23 (or-ing a code into the mantissa
@@ -163,8 +200,16 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
                   const u32* __restrict__ kparams, const u32* __restrict__ vdata,
                   const u32* __restrict__ vparams, const Spans spans, int kv_heads,
                   int capacity, int chunk, float* __restrict__ part_ml,
-                  float* __restrict__ part_acc) {
+                  float* __restrict__ part_acc
+#if CODEC == 1
+                  , const float* __restrict__ levels // (2, 256): keys', values'
+#endif
+                  ) {
     const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
+#if CODEC == 1
+    for (int i = threadIdx.x; i < 2 * 256; i += WARPS * 32) turbo_levels[i / 256][i % 256] = levels[i];
+    __syncthreads();
+#endif
     const int splits = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPR, e0 = (lane % LPR) * 8;
@@ -194,14 +239,14 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
             const int pos = base + u * step + sub;
             valid[u] = pos < hi;
             const long row = block_rows + (valid[u] ? pos : lo);
-            kr[u] = load_raw(kdata, kparams, row, e0);
-            vr[u] = load_raw(vdata, vparams, row, e0);
+            kr[u] = load_raw<0>(kdata, kparams, row, e0);
+            vr[u] = load_raw<1>(vdata, vparams, row, e0);
         }
         float s[UNROLL][G];
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             float k[8];
-            widen(kr[u], k);
+            widen<0>(kr[u], k);
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 float t = 0.f;
@@ -236,7 +281,7 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
         for (int u = 0; u < UNROLL; u++) {
             if (!valid[u]) continue;
             float v[8];
-            widen(vr[u], v);
+            widen<1>(vr[u], v);
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 const float p = fast_exp2(s[u][g] - m[g]);
@@ -1201,6 +1246,52 @@ kv_decode_merge(const float* __restrict__ part_ml, const float* __restrict__ par
         out[((long)b * qh + hq) * D + e] = sum > 0.f ? acc / sum : 0.f;
     }
 }
+
+#if CODEC == 1
+// ---------------------------------------------------------------------------------------
+// The turbo read's two ends (blocks of D threads, one vector each). Keys are stored
+// rotated, R(k / s) with s the fitted per-channel key scales, so the query enters as
+// R(q ∘ s): the dot products are the original ones. Values are accumulated in the
+// rotated space and rotated back once per output row (R is orthonormal).
+
+// In-place unnormalised Walsh–Hadamard transform of x[0..D), thread i owning element i:
+// the CPU's butterflies (a + b, a - b), so the same floats come out.
+__device__ __forceinline__ void fwht_block(float* x) {
+    const int i = threadIdx.x;
+    for (int h = 1; h < D; h <<= 1) {
+        __syncthreads();
+        const float y = (i & h) ? x[i - h] - x[i] : x[i] + x[i + h];
+        __syncthreads();
+        x[i] = y;
+    }
+    __syncthreads();
+}
+
+// q (vectors, D) of a layout (row, kv_heads * G, D) into qr = R(q ∘ s), s the key scales
+// of the vector's KV head (`scale` (kv_heads, D)), R = H · diag(signs) / √D.
+extern "C" __global__ void __launch_bounds__(D)
+turbo_rotate_queries(const float* __restrict__ q, float* __restrict__ qr,
+                     const float* __restrict__ scale, const float* __restrict__ signs,
+                     int kv_heads) {
+    __shared__ float x[D];
+    const long vec = blockIdx.x;
+    const int i = threadIdx.x, head = (int)((vec / G) % kv_heads);
+    x[i] = q[vec * D + i] * scale[head * D + i] * signs[i];
+    fwht_block(x);
+    qr[vec * D + i] = x[i] * (1.f / sqrtf((float)D));
+}
+
+// out (vectors, D), in the values' rotated space, rotated back in place: diag(signs) · H / √D.
+extern "C" __global__ void __launch_bounds__(D)
+turbo_unrotate(float* __restrict__ out, const float* __restrict__ signs) {
+    __shared__ float x[D];
+    const long vec = blockIdx.x;
+    const int i = threadIdx.x;
+    x[i] = out[vec * D + i];
+    fwht_block(x);
+    out[vec * D + i] = x[i] * (signs[i] * (1.f / sqrtf((float)D)));
+}
+#endif
 
 // Benchmark fill: deterministic pseudo-random words (never zeros: see the device notes).
 __device__ __forceinline__ u32 mix(u32 x) {

@@ -8,8 +8,11 @@
 // u32 holding f16 scale (low half) and f16 bias (high half). The affine arithmetic is
 // mlx's, as tessera-kv's affine.rs states it, step for step, so codes match the CPU's bit
 // for bit: inputs rounded to bf16 first; the maximum starts at 0; the larger-magnitude edge
-// snaps exactly; codes round half away from zero. Geometry is passed at run time: these
-// kernels run once per append, far from the decode read's cost.
+// snaps exactly; codes round half away from zero. TurboQuant rows (tessera-kv's
+// turbo_planes.rs): BITS-bit codes in the same bit stream, and per row one word holding the
+// vector's f16 norm (low half); encoded and decoded with the CPU's operations in the CPU's
+// order (correctly rounded, never fused), so the codes match bit for bit too. Geometry is
+// passed at run time: these kernels run once per append, far from the decode read's cost.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -151,5 +154,109 @@ extern "C" __global__ void copy_blocks(const u32* __restrict__ src, u32* __restr
          t += (long)gridDim.x * blockDim.x) {
         const long b = t / words, w = t % words;
         dst[b * dst_stride + w] = src[b * src_stride + w];
+    }
+}
+
+// In-place unnormalised Walsh–Hadamard transform of x[0..d), thread i owning element i,
+// with the CPU's butterflies (a + b, a - b).
+__device__ __forceinline__ void fwht_block(float* x, int d) {
+    const int i = threadIdx.x;
+    for (int h = 1; h < d; h <<= 1) {
+        __syncthreads();
+        const float y = (i & h) ? __fsub_rn(x[i - h], x[i]) : __fadd_rn(x[i], x[i + h]);
+        __syncthreads();
+        x[i] = y;
+    }
+    __syncthreads();
+}
+
+// 1 / √d as the CPU computes it.
+__device__ __forceinline__ float inv_sqrt(int d) { return __fdiv_rn(1.f, __fsqrt_rn((float)d)); }
+
+// Turbo planes' keys carry a fitted preparation (`prep` bit 0: a mean per KV head
+// subtracted, bit 1: per-channel scales divided out; `mean` and `scale` (heads, d)).
+
+// x (blocks, n, d) f32 into slots [slot, slot + n) of a turbo plane of `cap` slots: per
+// vector (a block of d threads, d a power of two ≤ 256) the bf16-rounded input, prepared,
+// its norm (summed in order by one thread, as the CPU does), the unit vector rotated
+// (signs, transform, 1/√d) and coded against the codebook's ascending `thresholds`
+// (`levels - 1` of them): the code is the number of thresholds below the coordinate.
+extern "C" __global__ void turbo_encode(const float* __restrict__ x, u32* __restrict__ codes,
+                                        u32* __restrict__ norms, long blocks, int n, int d,
+                                        int cap, int slot, int bits,
+                                        const float* __restrict__ signs,
+                                        const float* __restrict__ thresholds, int levels,
+                                        int heads, int prep, const float* __restrict__ mean,
+                                        const float* __restrict__ scale) {
+    __shared__ float u[256];
+    __shared__ unsigned char c[256];
+    __shared__ float norm_sh;
+    const int i = threadIdx.x;
+    for (long row = blockIdx.x; row < blocks * n; row += gridDim.x) {
+        const int head = (int)((row / n) % heads);
+        const long dst = (row / n) * cap + slot + row % n;
+        float v = bf16_to_f32(f32_to_bf16(x[row * d + i]));
+        if (prep & 1) v = __fsub_rn(v, mean[head * d + i]);
+        if (prep & 2) v = __fdiv_rn(v, scale[head * d + i]);
+        u[i] = v;
+        __syncthreads();
+        if (i == 0) {
+            float sum = 0.f;
+            for (int e = 0; e < d; e++) sum = __fadd_rn(sum, __fmul_rn(u[e], u[e]));
+            norm_sh = __fsqrt_rn(sum);
+        }
+        __syncthreads();
+        const float norm = norm_sh;
+        u[i] = norm > 0.f ? __fdiv_rn(v, norm) * signs[i] : 0.f;
+        fwht_block(u, d);
+        const float t = __fmul_rn(u[i], inv_sqrt(d));
+        int code = 0;
+        for (int j = 0; j < levels - 1; j++) code += thresholds[j] < t;
+        c[i] = (unsigned char)code;
+        if (i == 0) norms[dst] = (u32)f32_to_f16(norm);
+        __syncthreads();
+        // Word k of the row's stream holds bits [32k, 32k + 32): the codes overlapping it.
+        u32* out = codes + dst * (d * bits / 32);
+        for (int k = i; k < d * bits / 32; k += blockDim.x) {
+            u32 word = 0;
+            for (int e = 32 * k / bits; e <= (32 * k + 31) / bits && e < d; e++) {
+                const int shift = e * bits - 32 * k; // negative: the code began in word k - 1
+                word |= shift >= 0 ? (u32)c[e] << shift : (u32)c[e] >> -shift;
+            }
+            out[k] = word;
+        }
+        __syncthreads();
+    }
+}
+
+// Slots [slot, slot + len) of a turbo plane into out (blocks, len, d) f32, in the original
+// space: norm × level per coordinate, rotated back (transform, then signs × 1/√d), and for
+// keys (`prep` as for turbo_encode) the scales and mean put back.
+extern "C" __global__ void turbo_decode_rows(const u32* __restrict__ codes,
+                                             const u32* __restrict__ norms,
+                                             float* __restrict__ out, long blocks, int len,
+                                             int d, int cap, int slot, int bits,
+                                             const float* __restrict__ signs,
+                                             const float* __restrict__ levels, int heads,
+                                             int prep, const float* __restrict__ mean,
+                                             const float* __restrict__ scale) {
+    __shared__ float x[256];
+    const int i = threadIdx.x;
+    for (long row = blockIdx.x; row < blocks * len; row += gridDim.x) {
+        const long block = row / len;
+        const int head = (int)(block % heads);
+        const long src = block * cap + slot + row % len;
+        const u32* words = codes + src * (d * bits / 32);
+        const long bit = (long)i * bits;
+        unsigned long long w = words[bit / 32] >> (bit % 32);
+        if (bit % 32 + bits > 32) w |= (unsigned long long)words[bit / 32 + 1] << (32 - bit % 32);
+        const u32 code = (u32)w & ((1u << bits) - 1);
+        x[i] = __fmul_rn(f16_to_f32(norms[src] & 0xffff), levels[code]);
+        fwht_block(x, d);
+        float v = __fmul_rn(x[i], __fmul_rn(signs[i], inv_sqrt(d)));
+        if (prep & 2) v = __fmul_rn(v, scale[head * d + i]);
+        if (prep & 1) v = __fadd_rn(v, mean[head * d + i]);
+        out[row * d + i] = v;
+        __syncthreads();
     }
 }

@@ -293,7 +293,13 @@ impl LayerCache {
             _ => None,
         };
         let mut converted = match target {
-            _ if on_device.is_some() => Planes::Device(on_device.expect("checked")),
+            _ if on_device.is_some() => {
+                let mut planes = on_device.expect("checked");
+                if let Codec::Turbo { prep, .. } = target {
+                    planes.fit_key_prep(&k, prep)?;
+                }
+                Planes::Device(planes)
+            }
             Codec::Affine { bits, group } => {
                 Planes::Affine(AffinePlanes::new(bits, group as usize, rows, heads, d, dv))
             }

@@ -5,7 +5,7 @@
 //! stores them in the installed backend's planes; the retention policy, the bf16-first
 //! transition and the named reads stay the cache's own.
 
-use crate::{Codec, KvError};
+use crate::{Codec, KvError, TurboPrep};
 use candle_core::{Device, Tensor};
 use std::sync::OnceLock;
 
@@ -39,6 +39,13 @@ pub trait DevicePlanes: std::fmt::Debug + Send + Sync {
     ) -> Result<Option<Tensor>, KvError> {
         let _ = (q, pads, start, scale);
         Ok(None)
+    }
+    /// Turbo planes: fits the key preparation `prep` on `k` `(rows, heads, n, head_dim)`
+    /// (what the bf16 stage holds at conversion), before anything is written. Other codecs
+    /// ignore it.
+    fn fit_key_prep(&mut self, k: &Tensor, prep: TurboPrep) -> Result<(), KvError> {
+        let _ = (k, prep);
+        Ok(())
     }
     fn allocated_bytes(&self) -> usize;
     /// Encoded bytes of one position of one row, keys and values.

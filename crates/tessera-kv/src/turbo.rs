@@ -68,6 +68,11 @@ impl Rotation {
         self.signs.len()
     }
 
+    /// The ±1 signs applied before the transform (a device backend's copy of the rotation).
+    pub fn signs(&self) -> &[f32] {
+        &self.signs
+    }
+
     /// `x ← H · diag(signs) · x / √d`.
     pub fn forward(&self, x: &mut [f32]) {
         for (v, s) in x.iter_mut().zip(&self.signs) {

@@ -111,6 +111,19 @@ impl TurboPlane {
     }
 }
 
+/// What a device backend needs to encode and read turbo planes as these do: per plane the
+/// rotation's signs and the codebook, and the keys' fitted preparation.
+#[derive(Debug, Clone)]
+pub struct TurboTables {
+    /// Keys', then values': signs (`dim`), levels and thresholds (ascending).
+    pub signs: [Vec<f32>; 2],
+    pub levels: [Vec<f32>; 2],
+    pub thresholds: [Vec<f32>; 2],
+    /// The keys' mean and scales per KV head (`heads × head_dim`), where fitted.
+    pub key_mean: Option<Vec<f32>>,
+    pub key_scale: Option<Vec<f32>>,
+}
+
 /// TurboQuant keys and values of one layer.
 #[derive(Debug, Clone)]
 pub struct TurboPlanes {
@@ -182,6 +195,19 @@ impl TurboPlanes {
         let (h, d) = (self.heads, self.keys.dim);
         self.key_prep = ChannelPrep::fit(&x, h, n, d, prep.key_mean, prep.key_scale);
         Ok(())
+    }
+
+    /// The rotations, codebooks and key preparation, for a device backend.
+    pub fn tables(&self) -> TurboTables {
+        let (mean, scale) = self.key_prep.tables();
+        let (k, v) = (&self.keys, &self.values);
+        TurboTables {
+            signs: [k.rotation.signs().to_vec(), v.rotation.signs().to_vec()],
+            levels: [k.book.levels.clone(), v.book.levels.clone()],
+            thresholds: [k.book.thresholds.clone(), v.book.thresholds.clone()],
+            key_mean: mean.map(<[f32]>::to_vec),
+            key_scale: scale.map(<[f32]>::to_vec),
+        }
     }
 
     /// `(heads, head_dim, value_dim)`.

@@ -65,6 +65,11 @@ impl ChannelPrep {
         self.scale.is_some()
     }
 
+    /// The fitted means and scales, `heads × dim` each, where fitted.
+    pub fn tables(&self) -> (Option<&[f32]>, Option<&[f32]>) {
+        (self.mean.as_deref(), self.scale.as_deref())
+    }
+
     /// `out = (x − mean) / scale` for a vector of `head`.
     pub fn encode(&self, head: usize, x: &[f32], out: &mut [f32]) {
         out.copy_from_slice(x);

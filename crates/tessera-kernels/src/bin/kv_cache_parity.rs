@@ -2,20 +2,25 @@
 //! `kv-cache-parity` exits nonzero on any failure.
 //! - encode: random rows written into the device planes (encode kernel) and into
 //!   tessera-kv's CPU `AffinePlanes`, read back (decode kernel / CPU read): equal bit for
-//!   bit, for affine 4 and 8 bits with groups 32, 64 and 128, and bf16.
+//!   bit, for affine 4 and 8 bits with groups 32, 64 and 128; the same for TurboQuant rows
+//!   (its key preparation fitted on the same keys) against `TurboPlanes`, widths 2..8.
 //! - cache: the same appends into a `KvCache` on the CPU and one on the GPU, for bf16,
 //!   affine:4 and affine:8 with conversion at 0 and mid-way: full and sliding-window layers,
 //!   head dims 128 and 256, 2 rows one of them left-padded; prefill chunks, decode steps (the
 //!   fused decode kernel), a ring that wraps, a second chunk after conversion. Every read's
 //!   output is compared with the CPU read's (which the CPU tests hold to an f32 reference):
 //!   ‖gpu − cpu‖ / ‖cpu‖ under 1e-4 for bf16 (q and p enter the tensor cores as two bf16
-//!   parts) and 2e-3 for affine (f16 operands).
+//!   parts) and turbo (f32 on CUDA cores, the same stored codes), 2e-3 for affine (f16
+//!   operands).
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use tessera_kv::affine_planes::AffinePlanes;
-use tessera_kv::device::{DeviceBackend, PlaneGeometry};
-use tessera_kv::{AttentionCache, Codec, KvCache, KvScheme, LayerSpec, PlainDType, Retention};
+use tessera_kv::device::{DeviceBackend, DevicePlanes, PlaneGeometry};
+use tessera_kv::turbo_planes::TurboPlanes;
+use tessera_kv::{
+    AttentionCache, Codec, KvCache, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep,
+};
 
 fn random(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
     let n: usize = shape.iter().product();
@@ -73,28 +78,11 @@ fn encode_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
             cpu.write(5, &k, &v)?;
             let (ck, cv) = cpu.read(5, n)?;
             let mut dev = backend.planes(codec, geo, gpu)?.expect("cuda planes");
-            // Two writes across a capacity growth: the copy kernel must keep the first.
-            dev.reserve(5 + 20, usize::MAX)?;
-            dev.write(
-                5,
-                &k.narrow(2, 0, 20)?.to_device(gpu)?,
-                &v.narrow(2, 0, 20)?.to_device(gpu)?,
-            )?;
-            dev.reserve(5 + n + 300, usize::MAX)?;
-            dev.write(
-                25,
-                &k.narrow(2, 20, n - 20)?.to_device(gpu)?,
-                &v.narrow(2, 20, n - 20)?.to_device(gpu)?,
-            )?;
-            let (gk, gv) = dev.read(5, n)?;
-            let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
-                let a: Vec<f32> = a.flatten_all()?.to_vec1()?;
-                let b: Vec<f32> = b.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
-                Ok(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()))
-            };
-            let ok = same(&ck, &gk)? && same(&cv, &gv)?;
+            let (gk, gv) = write_twice(dev.as_mut(), &k, &v, gpu)?;
             let stored = dev.as_stored(&k.to_device(gpu)?, true)?;
-            let ok = ok && same(&cpu.as_stored(&k)?, &stored)?;
+            let ok = same_bits(&ck, &gk)?
+                && same_bits(&cv, &gv)?
+                && same_bits(&cpu.as_stored(&k)?, &stored)?;
             println!(
                 "encode affine:{bits}:{group} d={d}: {}",
                 if ok { "bit-identical" } else { "MISMATCH" }
@@ -102,6 +90,92 @@ fn encode_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
             if !ok {
                 *failures += 1;
             }
+        }
+    }
+    Ok(())
+}
+
+fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let a: Vec<f32> = a.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+    let b: Vec<f32> = b.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+    Ok(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()))
+}
+
+/// Two writes into device planes across a capacity growth (the copy kernel must keep the
+/// first), then the slots read back.
+fn write_twice(
+    dev: &mut dyn DevicePlanes,
+    k: &Tensor,
+    v: &Tensor,
+    gpu: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let n = k.dims()[2];
+    dev.reserve(5 + 20, usize::MAX)?;
+    dev.write(
+        5,
+        &k.narrow(2, 0, 20)?.to_device(gpu)?,
+        &v.narrow(2, 0, 20)?.to_device(gpu)?,
+    )?;
+    dev.reserve(5 + n + 300, usize::MAX)?;
+    dev.write(
+        25,
+        &k.narrow(2, 20, n - 20)?.to_device(gpu)?,
+        &v.narrow(2, 20, n - 20)?.to_device(gpu)?,
+    )?;
+    Ok(dev.read(5, n)?)
+}
+
+fn turbo_encode_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
+    let backend = tessera_kernels::backend::CudaBackend::new();
+    let none = TurboPrep {
+        key_mean: false,
+        key_scale: false,
+    };
+    for (kbits, vbits, d, prep) in [
+        (4u8, 4u8, 128usize, TurboPrep::ALL),
+        (3, 5, 128, TurboPrep::ALL),
+        (2, 8, 256, TurboPrep::ALL),
+        (7, 6, 64, none),
+        (4, 2, 256, none),
+    ] {
+        let (b, h, n) = (2, 3, 37);
+        let geo = PlaneGeometry {
+            rows: b,
+            heads: h,
+            head_dim: d,
+            value_dim: d,
+        };
+        let codec = Codec::Turbo { kbits, vbits, prep };
+        let k = random(&[b, h, n, d], 21 + d as u64, &Device::Cpu)?;
+        let v = random(&[b, h, n, d], 22 + kbits as u64, &Device::Cpu)?;
+        let mut cpu = TurboPlanes::new(kbits, vbits, b, h, d, d);
+        cpu.fit_key_prep(&k, prep)?;
+        cpu.reserve(n + 5, usize::MAX);
+        cpu.write(5, &k, &v)?;
+        let (ck, cv) = cpu.read(5, n)?;
+        let mut dev = backend.planes(codec, geo, gpu)?.expect("cuda planes");
+        dev.fit_key_prep(&k.to_device(gpu)?, prep)?;
+        let (gk, gv) = write_twice(dev.as_mut(), &k, &v, gpu)?;
+        let stored_k = dev.as_stored(&k.to_device(gpu)?, true)?;
+        let stored_v = dev.as_stored(&v.to_device(gpu)?, false)?;
+        let ok = same_bits(&ck, &gk)?
+            && same_bits(&cv, &gv)?
+            && same_bits(&cpu.as_stored(&k, true)?, &stored_k)?
+            && same_bits(&cpu.as_stored(&v, false)?, &stored_v)?;
+        println!(
+            "encode {codec} d={d}: {}",
+            if ok {
+                "bit-identical".to_string()
+            } else {
+                format!(
+                    "MISMATCH (keys rel err {:.2e}, values {:.2e})",
+                    rel_err(&gk.to_device(&Device::Cpu)?, &ck)?,
+                    rel_err(&gv.to_device(&Device::Cpu)?, &cv)?
+                )
+            }
+        );
+        if !ok {
+            *failures += 1;
         }
     }
     Ok(())
@@ -142,6 +216,19 @@ fn cache_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
         Codec::Affine { bits: 4, group: 64 },
         Codec::Affine { bits: 8, group: 64 },
         Codec::Affine { bits: 4, group: 32 },
+        Codec::Turbo {
+            kbits: 4,
+            vbits: 4,
+            prep: TurboPrep::ALL,
+        },
+        Codec::Turbo {
+            kbits: 3,
+            vbits: 6,
+            prep: TurboPrep {
+                key_mean: false,
+                key_scale: true,
+            },
+        },
     ] {
         for start in [0usize, 60] {
             if start > 0 && matches!(codec, Codec::Plain(_)) {
@@ -179,6 +266,7 @@ fn cache_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
             // the tensor cores f16 (11 bits).
             let tolerance = match codec {
                 Codec::Plain(_) if start == 0 => 1e-4,
+                Codec::Turbo { .. } => 1e-4,
                 _ => 2e-3,
             };
             let ok = worst.iter().all(|&e| e < tolerance);
@@ -191,7 +279,13 @@ fn cache_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
             if !ok {
                 *failures += 1;
             }
-            if cpu.bytes_per_token() != dev.bytes_per_token() {
+            // The device keeps a turbo row's f16 norm in a 32-bit word: 2 bytes more per
+            // stored vector (keys and values, 2 rows).
+            let padding: usize = match codec {
+                Codec::Turbo { .. } => specs.iter().map(|s| 2 * 2 * 2 * s.kv_heads).sum(),
+                _ => 0,
+            };
+            if cpu.bytes_per_token() + padding != dev.bytes_per_token() {
                 println!(
                     "bytes/token differ: cpu {} gpu {}",
                     cpu.bytes_per_token(),
@@ -202,13 +296,13 @@ fn cache_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
         }
     }
     // An unsupported codec is refused on first use with its name.
-    let scheme = KvScheme::parse("turbo:4")?;
+    let scheme = KvScheme::parse("affine:2")?;
     let mut dev = KvCache::new(&specs[..1], &scheme, vec![0])?;
     let k = random(&[1, 2, 3, 128], 1, gpu)?;
     match dev.layer_mut(0).append_window(&k, &k) {
-        Err(e) => println!("turbo on cuda refused: {e}"),
+        Err(e) => println!("affine:2 on cuda refused: {e}"),
         Ok(_) => {
-            println!("turbo on cuda was accepted: FAIL");
+            println!("affine:2 on cuda was accepted: FAIL");
             *failures += 1;
         }
     }
@@ -220,6 +314,7 @@ fn main() -> Result<()> {
     let gpu = Device::new_cuda(0)?;
     let mut failures = 0;
     encode_parity(&gpu, &mut failures)?;
+    turbo_encode_parity(&gpu, &mut failures)?;
     cache_parity(&gpu, &mut failures)?;
     if failures > 0 {
         bail!("{failures} parity failures");

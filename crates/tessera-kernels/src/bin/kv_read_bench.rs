@@ -54,6 +54,9 @@ fn store(
                 |x: &[f32]| -> Vec<f32> { x.iter().map(|&a| bf16::from_f32(a).to_f32()).collect() };
             Ok(([pack(k), pack(v), vec![], vec![]], n, round(k), round(v)))
         }
+        GpuCodec::Turbo { .. } => {
+            bail!("kv-read-bench has no turbo planes (kv-cache-parity checks them)")
+        }
         GpuCodec::Affine { bits, group } => {
             let mut planes = AffinePlanes::new(bits, group, b, h, d, d);
             planes.reserve(n, n);
