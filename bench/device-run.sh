@@ -24,7 +24,8 @@ set -u
 NV=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
 export LD_LIBRARY_PATH=$NV:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 B=/tmp/tessera-bin; mkdir -p $B
-for f in .device/*.gz; do [ -f "$f" ] || continue; n=$(basename $f .gz); [ -x $B/$n ] || { gunzip -c $f > $B/$n && chmod +x $B/$n; }; done
+# Always unpacked: a warm machine may still hold an older build under the same name.
+for f in .device/*.gz; do [ -f "$f" ] || continue; n=$(basename $f .gz); gunzip -c $f > $B/$n && chmod +x $B/$n; done
 T=$B/tessera
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 STAGED=${STAGED:-/tmp/stage/gemma-3-270m-q4_k_m.gguf}

@@ -17,4 +17,4 @@ for cfg in sys.argv[2:]:
     rc = lib.nvrtcCompileProgram(prog, 1, opts)
     n = ctypes.c_size_t(); lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
     log = ctypes.create_string_buffer(n.value); lib.nvrtcGetProgramLog(prog, log)
-    print(cfg, "rc", rc, log.value.decode()[:800])
+    print(cfg, "rc", rc, log.value.decode()[:3000])

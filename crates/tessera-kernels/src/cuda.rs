@@ -162,7 +162,8 @@ impl GpuPlanes {
 pub enum Variant {
     /// CUDA cores: 8 elements per lane, scores reduced over a row's lanes.
     Simt,
-    /// Tensor cores (mma.m16n8k16) for scores and values: bf16 and 4/8-bit affine rows.
+    /// Tensor cores (mma.m16n8k16) for scores and values: bf16, 4/8-bit affine and 4-bit
+    /// turbo rows.
     TensorCore,
     /// Tensor cores on raw affine codes, each row's scale and bias applied per group
     /// outside the mma, stored rows as the mma's M (4-bit rows with groups of 64 or more,
@@ -315,6 +316,10 @@ impl DecodeRead {
             GpuCodec::Affine { bits: 8, group } if d / 4 <= group && d <= 128 => {
                 Some(Partial::load(&module, "kv_decode_partial_tc")?)
             }
+            // 4-bit turbo rows: code bytes through a table of f16 level pairs.
+            GpuCodec::Turbo { kbits: 4, vbits: 4 } => {
+                Some(Partial::load(&module, "kv_decode_partial_tc")?)
+            }
             GpuCodec::Affine { .. } | GpuCodec::Turbo { .. } => None,
         };
         // A folded lane reads (group · bits / 8) / 8 bytes of a value row per group: whole
@@ -371,19 +376,30 @@ impl DecodeRead {
         seed: u32,
     ) -> Result<GpuPlanes> {
         let rows = batch * kv_heads * capacity;
-        if matches!(codec, GpuCodec::Turbo { .. }) {
-            bail!("random planes have no turbo tables");
-        }
-        let (w, p) = codec.plane_words(d, 0);
-        let mut k = self.stream.alloc_zeros::<u32>(rows * w)?;
-        let mut v = self.stream.alloc_zeros::<u32>(rows * w)?;
-        let mut kp = self.stream.alloc_zeros::<u32>((rows * p).max(1))?;
-        let mut vp = self.stream.alloc_zeros::<u32>((rows * p).max(1))?;
+        let ((wk, pk), (wv, pv)) = (codec.plane_words(d, 0), codec.plane_words(d, 1));
+        let mut k = self.stream.alloc_zeros::<u32>(rows * wk)?;
+        let mut v = self.stream.alloc_zeros::<u32>(rows * wv)?;
+        let mut kp = self.stream.alloc_zeros::<u32>((rows * pk).max(1))?;
+        let mut vp = self.stream.alloc_zeros::<u32>((rows * pv).max(1))?;
         let kind = if codec == GpuCodec::Bf16 { 1 } else { 0 };
         self.fill(&mut k, seed, kind)?;
         self.fill(&mut v, seed ^ 0x5555, kind)?;
+        // (scale, bias) pairs; for turbo rows the low half, a small f16, is the norm.
         self.fill(&mut kp, seed ^ 0xaaaa, 2)?;
         self.fill(&mut vp, seed ^ 0x3333, 2)?;
+        let turbo = match codec {
+            GpuCodec::Turbo { kbits, vbits } => {
+                let host =
+                    tessera_kv::turbo_planes::TurboPlanes::new(kbits, vbits, 1, kv_heads, d, d);
+                Some(Arc::new(TurboDevice::upload(
+                    &self.stream,
+                    &host.tables(),
+                    kv_heads,
+                    d,
+                )?))
+            }
+            _ => None,
+        };
         Ok(GpuPlanes {
             codec,
             batch,
@@ -394,7 +410,7 @@ impl DecodeRead {
             v,
             kp,
             vp,
-            turbo: None,
+            turbo,
         })
     }
 

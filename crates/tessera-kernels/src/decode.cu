@@ -324,10 +324,11 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
     store_partials(sm_ml, sm_acc, b, h, kv_heads, split, splits, part_ml, part_acc);
 }
 
-#if CODEC == 0 || CODEC == 4 || CODEC == 8
+#if CODEC == 0 || CODEC == 4 || CODEC == 8 || (CODEC == 1 && KBITS == 4 && VBITS == 4)
 // ---------------------------------------------------------------------------------------
-// Tensor-core version of kv_decode_partial (same grid, same partials) for bf16 rows and
-// 4- and 8-bit affine rows. Per warp, tiles of 16 stored rows; mma.m16n8k16 with f32 accumulate
+// Tensor-core version of kv_decode_partial (same grid, same partials) for bf16 rows,
+// 4- and 8-bit affine rows and 4-bit turbo rows (whose code bytes become f16 level pairs
+// through a 256-entry table per plane in shared memory, times the row's norm). Per warp, tiles of 16 stored rows; mma.m16n8k16 with f32 accumulate
 // (bf16 operands for bf16 rows; f16 for affine, whose codes become f16 exactly through
 // the 1024 exponent and are scaled with one f16x2 fma), the G query heads as the M rows
 // (padded to 16).
@@ -340,6 +341,7 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
 // rows 2tq, 2tq+1, 2tq+8, 2tq+9 and pairs rows with one byte permute.
 #define DQ (D / 4)
 #define DV (D / 8)
+#define CBITS (CODEC == 1 ? 4 : CODEC) // bits of a code (0: bf16 rows)
 
 #if CODEC == 0
 #define MMA_TYPE "bf16"
@@ -352,8 +354,8 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 }
 #else
 #define MMA_TYPE "f16"
-#define KWORDS (DQ * CODEC / 32)
-#define VWORDS ((DV * CODEC + 31) / 32)
+#define KWORDS (DQ * CBITS / 32)
+#define VWORDS ((DV * CBITS + 31) / 32)
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -365,6 +367,12 @@ __device__ __forceinline__ u32 scale_pair(u32 c, u32 scale2, u32 bias2) {
     u32 r;
     asm("sub.f16x2 %0, %1, %2;" : "=r"(c) : "r"(c), "r"(MAGIC));
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(c), "r"(scale2), "r"(bias2));
+    return r;
+}
+// Two f16 products at once.
+__device__ __forceinline__ u32 mul_pair(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
 // The codes at bits 0.. and 16.. of x (one per f16 half), as 1024 + code.
@@ -420,8 +428,11 @@ __device__ __forceinline__ void k_offsets(int j, int o[4]) {
 #endif
 }
 
-// u32 words of a stored row: bf16 pairs, or affine codes of CODEC bits.
-#define ROW_WORDS (CODEC == 0 ? D / 2 : D * CODEC / 32)
+// u32 words of a stored row: bf16 pairs, or codes of CBITS bits.
+#define ROW_WORDS (CODEC == 0 ? D / 2 : D * CBITS / 32)
+// The parameter word of element e of stored row `at`: its group's (scale, bias), or a
+// turbo row's norm.
+#define PARAM_AT(at, e) (CODEC == 1 ? (at) : (at) * (D / GROUP) + (e) / GROUP)
 
 // N consecutive words from `src` (aligned to the widest load N allows) into registers.
 template <int N>
@@ -466,7 +477,7 @@ __device__ __forceinline__ void load_tile(Tile& t, const u32* __restrict__ kdata
         const long at = block_rows + (row < hi ? row : lo);
         load_words(t.kw[nb], kdata + at * ROW_WORDS + KWORDS * tq);
 #if CODEC != 0
-        t.kp[nb] = __ldg(kparams + at * (D / GROUP) + DQ * tq / GROUP);
+        t.kp[nb] = __ldg(kparams + PARAM_AT(at, DQ * tq));
 #endif
     }
     const int vrow[4] = {r0 + 2 * tq, r0 + 2 * tq + 1, r0 + 2 * tq + 8, r0 + 2 * tq + 9};
@@ -475,7 +486,7 @@ __device__ __forceinline__ void load_tile(Tile& t, const u32* __restrict__ kdata
         const long at = block_rows + (vrow[i] < hi ? vrow[i] : lo);
         load_words(t.vw[i], vdata + at * ROW_WORDS + VWORDS * gid);
 #if CODEC != 0
-        t.vp[i] = __ldg(vparams + at * (D / GROUP) + DV * gid / GROUP);
+        t.vp[i] = __ldg(vparams + PARAM_AT(at, DV * gid));
 #endif
     }
 }
@@ -488,11 +499,25 @@ kv_decode_partial_tc(const float* __restrict__ q, float qscale,
                      const u32* __restrict__ kparams, const u32* __restrict__ vdata,
                      const u32* __restrict__ vparams, const Spans spans, int kv_heads,
                      int capacity, int chunk,
-                     float* __restrict__ part_ml, float* __restrict__ part_acc) {
+                     float* __restrict__ part_ml, float* __restrict__ part_acc
+#if CODEC == 1
+                     , const float* __restrict__ levels // (2, 256): keys', values'
+#endif
+                     ) {
     const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
     const int splits = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane >> 2, tq = lane & 3;
+#if CODEC == 1
+    // Per plane and code byte (elements 2i, 2i + 1 in its low and high nibble): the two
+    // levels as an f16 pair.
+    __shared__ u32 level_pairs[2][256];
+    for (int i = threadIdx.x; i < 2 * 256; i += WARPS * 32) {
+        const float* book = levels + (i / 256) * 256;
+        level_pairs[i / 256][i % 256] = pack2(book[i & 15], book[(i >> 4) & 15]);
+    }
+    __syncthreads();
+#endif
     const long block_rows = ((long)b * kv_heads + h) * capacity;
     const int lo = spans.start[blockIdx.z] + split * chunk;
     const int hi = min(spans.end[blockIdx.z], lo + chunk);
@@ -565,6 +590,12 @@ kv_decode_partial_tc(const float* __restrict__ q, float qscale,
                 const u32 w = kw[nb][j / 2], sh = 8 * (j % 2);
                 const u32 b0 = scale_pair(low_codes(w >> sh), scale2, bias2);
                 const u32 b1 = scale_pair(low_codes(w >> (sh + 4)), scale2, bias2);
+#elif CODEC == 1
+                // Elements 4j .. 4j + 3: bytes 2j, 2j + 1 of the lane's codes (scale2: the
+                // row's norm in both halves).
+                const u32 w = kw[nb][j / 2], sh = 16 * (j % 2);
+                const u32 b0 = mul_pair(level_pairs[0][(w >> sh) & 255], scale2);
+                const u32 b1 = mul_pair(level_pairs[0][(w >> (sh + 8)) & 255], scale2);
 #else
                 // Bytes 0,1 and 2,3 of word j, each under a 0x64 high byte: 1024 + code.
                 const u32 w = kw[nb][j];
@@ -629,6 +660,16 @@ kv_decode_partial_tc(const float* __restrict__ q, float qscale,
             const u32 x23 = __byte_perm(vw[2][w], vw[3][w], byte | ((4 + byte) << 8));
             const u32 b0 = scale_pair(low_codes(x01 >> sh), vs01, vb01);
             const u32 b1 = scale_pair(low_codes(x23 >> sh), vs23, vb23);
+#elif CODEC == 1
+            // Element gid·DV + nd of each row is in byte (nd % 8) / 2 of word nd / 8: its
+            // level pair, the even or odd level of each of two rows, times their norms.
+            const int w = nd / 8, sh = 8 * ((nd % 8) / 2);
+            const u32 sel = (nd & 1) ? 0x7632u : 0x5410u;
+            u32 lv[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) lv[i] = level_pairs[1][(vw[i][w] >> sh) & 255];
+            const u32 b0 = mul_pair(__byte_perm(lv[0], lv[1], sel), vs01);
+            const u32 b1 = mul_pair(__byte_perm(lv[2], lv[3], sel), vs23);
 #else
             // Byte nd%4 of each row's word into bytes 0 and 2.
             const int w = nd / 4, byte = nd % 4;

@@ -391,6 +391,8 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
             bits: 4,
             group: 128,
         },
+        GpuCodec::Turbo { kbits: 4, vbits: 4 },
+        GpuCodec::Turbo { kbits: 3, vbits: 3 },
     ] {
         for (qh, kvh, d) in [(4usize, 1usize, 256usize), (32, 8, 128), (64, 8, 128)] {
             for b in [1usize, 16] {
