@@ -4,17 +4,19 @@
 //! `DevicePlanes`, as a GPU backend's would. The same appends go to a cache that keeps its own host planes
 //! (the host backend serves only the device it is told to) and every read must agree:
 //! binding on first use, the bf16-first conversion (also inside a decode step, whose read
-//! uses the retired bf16 planes), rings that wrap, padded rows whose slots split in two
-//! (the dense fallback), byte accounting and signatures. The GPU backend itself is tested
+//! uses the retired bf16 planes), turbo planes' key preparation fitted at conversion,
+//! rings that wrap, padded rows whose slots split in two (the dense fallback), byte
+//! accounting and signatures. The GPU backend itself is tested
 //! on the device (tessera-kernels' kv-cache-parity).
 
 use candle_core::{DType, Device, Tensor};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tessera_kv::affine_planes::AffinePlanes;
 use tessera_kv::device::{DeviceBackend, DevicePlanes, PlaneGeometry};
+use tessera_kv::turbo_planes::TurboPlanes;
 use tessera_kv::{
     grown_capacity, AttentionCache, Codec, KvCache, KvError, KvScheme, LayerSpec, PlainDType,
-    Retention,
+    Retention, TurboPrep,
 };
 
 /// Fused decode and chunk reads the emulated device served, and its writes.
@@ -40,13 +42,26 @@ impl DeviceBackend for HostBackend {
             return Ok(None);
         }
         match codec {
-            Codec::Plain(PlainDType::Bf16) | Codec::Affine { .. } => {
+            Codec::Plain(PlainDType::Bf16) | Codec::Affine { .. } | Codec::Turbo { .. } => {
+                let g = geometry;
+                let turbo = match codec {
+                    Codec::Turbo { kbits, vbits, .. } => Some(TurboPlanes::new(
+                        kbits,
+                        vbits,
+                        g.rows,
+                        g.heads,
+                        g.head_dim,
+                        g.value_dim,
+                    )),
+                    _ => None,
+                };
                 Ok(Some(Box::new(HostPlanes {
                     codec,
-                    g: geometry,
+                    g,
                     capacity: 0,
                     k: Vec::new(),
                     v: Vec::new(),
+                    turbo,
                 })))
             }
             _ => Err(KvError::DeviceCodec {
@@ -66,6 +81,9 @@ struct HostPlanes {
     capacity: usize,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// Turbo: empty planes of the codec, where the key preparation is fitted (the cache
+    /// must ask for it at conversion) and through which positions are rounded.
+    turbo: Option<TurboPlanes>,
 }
 
 impl HostPlanes {
@@ -107,12 +125,13 @@ impl HostPlanes {
         }
     }
 
-    fn round(&self, x: &Tensor) -> Result<Vec<f32>, KvError> {
+    fn round(&self, x: &Tensor, keys: bool) -> Result<Vec<f32>, KvError> {
         let (b, h, _, d) = x.dims4()?;
-        let stored = match self.codec {
-            Codec::Affine { bits, group } => {
+        let stored = match (self.codec, &self.turbo) {
+            (Codec::Affine { bits, group }, _) => {
                 AffinePlanes::new(bits, group as usize, b, h, d, d).as_stored(x)?
             }
+            (_, Some(turbo)) => turbo.as_stored(x, keys)?,
             _ => x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
         };
         Ok(stored.flatten_all()?.to_vec1()?)
@@ -149,7 +168,7 @@ impl DevicePlanes for HostPlanes {
     fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
         WRITES.fetch_add(1, Ordering::Relaxed);
         let n = k.dims()[2];
-        let (kx, vx) = (self.round(k)?, self.round(v)?);
+        let (kx, vx) = (self.round(k, true)?, self.round(v, false)?);
         let (blocks, d, cap) = (self.g.rows * self.g.heads, self.g.head_dim, self.capacity);
         for (plane, x) in [(&mut self.k, kx), (&mut self.v, vx)] {
             for b in 0..blocks {
@@ -178,8 +197,19 @@ impl DevicePlanes for HostPlanes {
         Ok((take(&self.k)?, take(&self.v)?))
     }
 
-    fn as_stored(&self, x: &Tensor, _keys: bool) -> Result<Tensor, KvError> {
-        Ok(Tensor::from_vec(self.round(x)?, x.dims(), &Device::Cpu)?)
+    fn as_stored(&self, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
+        Ok(Tensor::from_vec(
+            self.round(x, keys)?,
+            x.dims(),
+            &Device::Cpu,
+        )?)
+    }
+
+    fn fit_key_prep(&mut self, k: &Tensor, prep: TurboPrep) -> Result<(), KvError> {
+        match &mut self.turbo {
+            Some(turbo) => turbo.fit_key_prep(k, prep),
+            None => Ok(()),
+        }
     }
 
     fn decode(&self, q: &Tensor, spans: &[(usize, usize)], scale: f32) -> Result<Tensor, KvError> {
@@ -240,6 +270,9 @@ impl DevicePlanes for HostPlanes {
     }
 
     fn bytes_per_position(&self) -> usize {
+        if let Some(turbo) = &self.turbo {
+            return turbo.bytes_per_position();
+        }
         let d = self.g.head_dim;
         let per = match self.codec {
             Codec::Affine { bits, group } => d * bits as usize / 8 + 4 * d / group as usize,
@@ -294,6 +327,11 @@ fn device_planes_read_as_the_host_cache_does() {
         Codec::Plain(PlainDType::Bf16),
         Codec::Affine { bits: 4, group: 32 },
         Codec::Affine { bits: 8, group: 64 },
+        Codec::Turbo {
+            kbits: 4,
+            vbits: 3,
+            prep: TurboPrep::ALL,
+        },
     ] {
         // 0: converts on the first append; 8: inside a decode step.
         for start in [0, 8] {
@@ -348,16 +386,13 @@ fn device_planes_read_as_the_host_cache_does() {
     }
     // A codec the device does not serve is refused on first use, naming it.
     EMULATE.with(|e| e.set(true));
-    let mut dev = KvCache::new(&specs[..1], &KvScheme::parse("turbo:4").unwrap(), vec![0]).unwrap();
+    let mut dev = KvCache::new(&specs[..1], &KvScheme::parse("f16").unwrap(), vec![0]).unwrap();
     let k = random(&[1, 2, 2, 64], 1);
     let err = dev
         .layer_mut(0)
         .append_window(&k, &k)
         .unwrap_err()
         .to_string();
-    assert!(
-        err.contains("turbo:4:4") && err.contains("emulated"),
-        "{err}"
-    );
+    assert!(err.contains("f16") && err.contains("emulated"), "{err}");
     EMULATE.with(|e| e.set(false));
 }
