@@ -5,8 +5,8 @@
 //! ordered without host synchronization.
 //!
 //! Served: bf16 (plain), affine 4/8 bits with groups of 32, 64 or 128, and TurboQuant of
-//! 2..=8 bits, for head dims of 64, 128 or 256 with keys and values of one width. Other codecs get an error naming them
-//! when the cache is first used on the device.
+//! 2..=8 bits, for head dims of 64, 128 or 256 with keys and values of one width. Other
+//! codecs get an error naming them when the cache is first used on the device.
 
 use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Scratch, TurboDevice};
 use crate::PLANES_CU;
@@ -29,7 +29,8 @@ fn profiling() -> bool {
     *ON.get_or_init(|| std::env::var("TESSERA_KV_PROFILE").is_ok_and(|v| v == "1"))
 }
 
-/// (calls, nanoseconds) of bf16 writes, affine writes, bf16 reads, affine reads.
+/// (calls, nanoseconds) of bf16 writes, quantized (affine, turbo) writes, bf16 reads,
+/// quantized reads.
 static PROFILE: [(AtomicU64, AtomicU64); 4] = [
     (AtomicU64::new(0), AtomicU64::new(0)),
     (AtomicU64::new(0), AtomicU64::new(0)),
@@ -58,8 +59,8 @@ fn timed<R>(kernels: &Kernels, op: usize, f: impl FnOnce() -> R) -> R {
                 / 1e3
         };
         eprintln!(
-            "kv profile (mean µs, synchronized): write bf16 {:.1} affine {:.1}, decode read \
-             bf16 {:.1} affine {:.1}",
+            "kv profile (mean µs, synchronized): write bf16 {:.1} quantized {:.1}, decode read \
+             bf16 {:.1} quantized {:.1}",
             mean(0),
             mean(1),
             mean(2),
