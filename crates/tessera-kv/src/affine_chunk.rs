@@ -273,7 +273,7 @@ pub(crate) fn attend_source<S: TileSource>(
     candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
         for i in range {
             let (r, h, i0, len) = items[i];
-            *outs[i].lock().unwrap() =
+            *outs[i].lock().unwrap_or_else(|e| e.into_inner()) =
                 attend_block(&qv, source, geo, pads[r], r, h, i0, len, scale);
         }
     });

@@ -7,6 +7,7 @@
 
 use crate::affine_planes::{AffinePlanes, PlaneView};
 use crate::decode::{self, DecodeShape, RowSlots, TileSource};
+use crate::Isa;
 use candle_core::Tensor;
 use std::ops::Range;
 
@@ -61,13 +62,45 @@ fn dequantize_row<const BITS: usize>(view: &PlaneView, slot: usize, group: usize
 /// Affine planes as a tile source: each position is dequantized on its way into the tile.
 struct AffineSource<'a> {
     planes: &'a AffinePlanes,
-    /// The CPU has AVX-512 (F + BW) and the bit width has a 512-bit unpacker, which writes
+    /// The read's level has AVX-512 and the planes' geometry a 512-bit unpacker, which writes
     /// rows lane-major: `orders` are then the element at each tile column, keys and values.
+    #[cfg(target_arch = "x86_64")]
     wide: bool,
     orders: Option<(Vec<usize>, Vec<usize>)>,
 }
 
-impl AffineSource<'_> {
+impl<'a> AffineSource<'a> {
+    /// The tile source of `planes` at `isa` (capped to the CPU's). The unpacker and the
+    /// orders `prepare_query` and `finish_output` apply are chosen together, here, so they
+    /// always agree.
+    fn new(planes: &'a AffinePlanes, isa: Isa) -> Self {
+        let (_, d, dv) = planes.geometry();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let bits = planes.bits();
+            let wide = isa.capped().avx512() && x86::available(bits, [d, dv]);
+            let orders = wide.then(|| {
+                (
+                    x86::lane_major_order(d, bits),
+                    x86::lane_major_order(dv, bits),
+                )
+            });
+            AffineSource {
+                planes,
+                wide,
+                orders,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (d, dv, isa);
+            AffineSource {
+                planes,
+                orders: None,
+            }
+        }
+    }
+
     #[inline(always)]
     fn rows<const BITS: usize>(
         view: &PlaneView,
@@ -86,7 +119,8 @@ impl AffineSource<'_> {
         let group = self.planes.group();
         #[cfg(target_arch = "x86_64")]
         if self.wide {
-            // SAFETY: `wide` is set only where the CPU has the features.
+            // SAFETY: `wide` is set only at a level capped to the CPU's that has AVX-512, and
+            // only for geometries the unpacker takes.
             unsafe { x86::dequantize_rows(view, self.planes.bits(), group, slots, out) };
             return;
         }
@@ -113,11 +147,10 @@ pub(crate) mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
+    /// Whether rows of `bits` bits and these dimensions have the 512-bit unpacker (the
+    /// caller checks the level).
     pub fn available(bits: u8, dims: [usize; 2]) -> bool {
-        matches!(bits, 2 | 4 | 8)
-            && dims.iter().all(|d| d * bits as usize % 512 == 0)
-            && std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
+        matches!(bits, 2 | 4 | 8) && dims.iter().all(|d| d * bits as usize % 512 == 0)
     }
 
     /// The element each tile column holds (see the module above).
@@ -242,31 +275,142 @@ pub(crate) fn attend(
     rows: &[RowSlots],
     s: &DecodeShape,
     scale: f32,
+    isa: Isa,
 ) -> candle_core::Result<Tensor> {
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
-    #[cfg(target_arch = "x86_64")]
-    let wide = x86::available(planes.bits(), [s.head_dim, s.value_dim]);
-    #[cfg(not(target_arch = "x86_64"))]
-    let wide = false;
-    #[cfg(target_arch = "x86_64")]
-    let orders = wide.then(|| {
-        let bits = planes.bits();
-        (
-            x86::lane_major_order(s.head_dim, bits),
-            x86::lane_major_order(s.value_dim, bits),
-        )
-    });
-    #[cfg(not(target_arch = "x86_64"))]
-    let orders = None;
-    let source = AffineSource {
-        planes,
-        wide,
-        orders,
-    };
-    let out = decode::attend_source(&qv, &source, rows, s, scale);
+    let source = AffineSource::new(planes, isa);
+    let out = decode::attend_source(&qv, &source, rows, s, scale, isa);
     Tensor::from_vec(
         out,
         (s.rows, s.kv_heads * s.group, 1, s.value_dim),
         q.device(),
     )
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::decode::tests::{random_words, values};
+    use candle_core::Device;
+
+    /// Code `i` of a little-endian stream of `bits`-bit codes in u32 words (the layout of
+    /// [`crate::affine`]), read one bit at a time.
+    pub(crate) fn code_bit_by_bit(words: &[u32], i: usize, bits: usize) -> usize {
+        (0..bits)
+            .map(|b| {
+                let at = i * bits + b;
+                (((words[at / 32] >> (at % 32)) & 1) as usize) << b
+            })
+            .sum()
+    }
+
+    /// Asserts `order` (the element each tile column holds) is a permutation of `0..dim`.
+    pub(crate) fn assert_permutation(order: &[usize], dim: usize) {
+        let mut seen = vec![false; dim];
+        order.iter().for_each(|&e| seen[e] = true);
+        assert!(
+            order.len() == dim && seen.iter().all(|s| *s),
+            "not a permutation"
+        );
+    }
+
+    /// `unpack` has no per-level variant (it is inlined into each level's compiled decode);
+    /// [`dequantized_tiles_match_scale_code_bias_at_every_level`] runs it at every level.
+    #[test]
+    fn unpack_matches_a_bit_by_bit_reader() {
+        fn check<const BITS: usize>() {
+            for dim in [32, 64, 256] {
+                let words = random_words(BITS as u64, dim * BITS / 32);
+                let mut out = vec![f32::NAN; dim];
+                unpack::<BITS>(&words, &mut out);
+                for (i, &got) in out.iter().enumerate() {
+                    let want = code_bit_by_bit(&words, i, BITS) as f32;
+                    assert_eq!(got, want, "{BITS} bits, dim {dim}, code {i}");
+                }
+            }
+        }
+        check::<2>();
+        check::<3>();
+        check::<4>();
+        check::<5>();
+        check::<6>();
+        check::<8>();
+    }
+
+    /// The rows a tile source fills (512-bit lane-major or portable, as the level and the
+    /// geometry choose), held to `scale · code + bias` from the stored codes and parameters.
+    #[test]
+    fn dequantized_tiles_match_scale_code_bias_at_every_level() {
+        let (heads, slots, read) = (2, 6, 1..5);
+        let mut wide_runs = 0;
+        for isa in Isa::supported() {
+            for bits in crate::affine::AFFINE_BITS {
+                for group in [32, 64, 128] {
+                    // Wide enough for the 512-bit unpacker at 2, 4 and 8 bits, with one to 16
+                    // groups per row (both ways of gathering the parameters).
+                    for (d, dv) in [(128, 512), (256, 64), (64, 256)] {
+                        if d % group != 0 || dv % group != 0 {
+                            continue;
+                        }
+                        let mut planes = AffinePlanes::new(bits, group, 1, heads, d, dv);
+                        planes.reserve(slots, usize::MAX);
+                        let tensor = |seed, dim| {
+                            let x = values(seed, heads * slots * dim);
+                            Tensor::from_vec(x, (1, heads, slots, dim), &Device::Cpu).unwrap()
+                        };
+                        planes.write(0, &tensor(10, d), &tensor(11, dv)).unwrap();
+                        let source = AffineSource::new(&planes, isa);
+                        // Orders come with the 512-bit unpacker, and only with it.
+                        let orders = source.orders.as_ref();
+                        wide_runs += orders.is_some() as usize;
+                        let [(key_codes, key_params), (value_codes, value_params)] = planes.raw();
+                        let planes_of = [
+                            (d, key_codes, key_params, orders.map(|o| &o.0)),
+                            (dv, value_codes, value_params, orders.map(|o| &o.1)),
+                        ];
+                        for block in 0..heads {
+                            for (which, (dim, codes, params, order)) in planes_of.iter().enumerate()
+                            {
+                                let (dim, bits) = (*dim, bits as usize);
+                                let what = format!(
+                                    "{isa}, {bits} bits, group {group}, dims {d}/{dv}, \
+                                     plane {which}, block {block}"
+                                );
+                                if let Some(order) = order {
+                                    assert_permutation(order, dim);
+                                }
+                                let mut tile = vec![f32::NAN; read.len() * dim];
+                                match which {
+                                    0 => source.keys(block, read.clone(), &mut tile),
+                                    _ => source.values(block, read.clone(), &mut tile),
+                                }
+                                for (t, slot) in read.clone().enumerate() {
+                                    let at = block * planes.capacity() + slot;
+                                    let words = &codes[at * dim * bits / 32..][..dim * bits / 32];
+                                    let params = &params[at * 2 * dim / group..][..2 * dim / group];
+                                    for c in 0..dim {
+                                        let e = order.map_or(c, |o| o[c]);
+                                        // Element e is code e % group of its group's stream.
+                                        let g = e / group;
+                                        let stream = &words[g * group * bits / 32..];
+                                        let code = code_bit_by_bit(stream, e % group, bits) as f64;
+                                        let (s, b) =
+                                            (params[2 * g].to_f64(), params[2 * g + 1].to_f64());
+                                        let want = s * code + b;
+                                        let got = tile[t * dim + c] as f64;
+                                        assert!(
+                                            (got - want).abs() <= 1e-6 * (s * code).abs() + 1e-6,
+                                            "{what}, slot {slot}, column {c}: {got} vs {want}"
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // The 512-bit unpacker ran wherever this CPU has it.
+        assert_eq!(wide_runs > 0, Isa::detected().avx512());
+    }
 }

@@ -8,7 +8,7 @@ use crate::plain::PlainPlanes;
 use crate::read::DeviceRef;
 use crate::rows::Rows;
 use crate::turbo_planes::TurboPlanes;
-use crate::{AttentionRead, Codec, KvError, KvScheme, LayerSpec, PlainDType, Retention};
+use crate::{AttentionRead, Codec, Isa, KvError, KvScheme, LayerSpec, PlainDType, Retention};
 use candle_core::{Device, Tensor};
 use std::borrow::Cow;
 
@@ -153,6 +153,8 @@ pub struct LayerCache {
     target: Option<Codec>,
     start: usize,
     minimum_reusable_offset: Option<usize>,
+    /// The vector instruction level the fused reads run at.
+    isa: Isa,
 }
 
 impl LayerCache {
@@ -199,6 +201,7 @@ impl LayerCache {
             target,
             start: quantized_kv_start,
             minimum_reusable_offset: None,
+            isa: Isa::detected(),
         })
     }
 
@@ -206,6 +209,15 @@ impl LayerCache {
     /// which a nonzero `quantized_kv_start` converted it.
     pub fn minimum_reusable_offset(&self) -> Option<usize> {
         self.minimum_reusable_offset
+    }
+
+    /// Runs this layer's fused reads at `isa` (capped to what the CPU runs).
+    pub fn set_isa(&mut self, isa: Isa) {
+        self.isa = isa.capped();
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
     }
 
     /// Whether the storage is still the bf16 stage of a quantized codec.
@@ -643,11 +655,13 @@ impl LayerCache {
 
 impl AttentionCache for LayerCache {
     fn append_decode(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
-        self.append(k, v)
+        let isa = self.isa;
+        Ok(self.append(k, v)?.at(isa))
     }
 
     fn append_window(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
-        self.append(k, v)
+        let isa = self.isa;
+        Ok(self.append(k, v)?.at(isa))
     }
 
     fn offset(&self) -> usize {
@@ -772,6 +786,13 @@ impl KvCache {
             })
             .collect::<Result<_, _>>()?;
         Ok(KvCache { layers, left_pad })
+    }
+
+    /// Runs every layer's fused reads at `isa` (capped to what the CPU runs; the default is
+    /// [`Isa::detected`]).
+    pub fn with_isa(mut self, isa: Isa) -> Self {
+        self.layers.iter_mut().for_each(|l| l.set_isa(isa));
+        self
     }
 
     pub fn layer_mut(&mut self, layer: usize) -> &mut LayerCache {

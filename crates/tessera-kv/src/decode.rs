@@ -6,6 +6,7 @@
 //! KV head (GQA folded) is scored per key load, and values are accumulated with the
 //! accumulators held in registers across positions.
 
+use crate::Isa;
 use candle_core::{CpuStorage, Storage, Tensor};
 use std::ops::Range;
 
@@ -154,7 +155,7 @@ where
     candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
         for i in range {
             let (r, h, ref slots) = items[i];
-            *parts[i].lock().unwrap() = Some(kernel(r, h, slots.clone()));
+            *parts[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(kernel(r, h, slots.clone()));
         }
     });
     let mut out = vec![0f32; s.rows * s.kv_heads * g * dv];
@@ -447,25 +448,90 @@ mod x86 {
     }
 }
 
-/// One piece: `g` query heads of one KV head over `slots`. `LEVEL`: which x86 kernels the
-/// caller checked the CPU for (0 none, 1 AVX2 + FMA, 2 AVX-512 too).
+/// The tile kernels a decode runs: the widest its [`Isa`] and dimensions allow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tiles {
+    Portable,
+    /// AVX2 + FMA: key and value rows are multiples of 16 wide.
+    Avx2,
+    /// AVX-512 F: key and value rows are multiples of 32 wide.
+    Avx512,
+}
+
+impl Tiles {
+    /// The kernels for `isa` over `d`-wide keys and `dv`-wide values. Built only here, with
+    /// `isa` capped to the CPU's level, so an x86 variant means the CPU runs its kernels.
+    fn new(isa: Isa, d: usize, dv: usize) -> Tiles {
+        let isa = isa.capped();
+        if isa.avx512() && d % 32 == 0 && dv % 32 == 0 {
+            Tiles::Avx512
+        } else if isa.avx2() && d % 16 == 0 && dv % 16 == 0 {
+            Tiles::Avx2
+        } else {
+            Tiles::Portable
+        }
+    }
+}
+
+/// [`score_tile`] by the kernels `tiles` names.
 #[inline(always)]
-fn tile_span<S: TileSource, const G: usize, const LEVEL: u8>(
+fn score<const G: usize>(
+    tiles: Tiles,
+    q: &[f32],
+    keys: &[f32],
+    n: usize,
+    d: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY (both): `Tiles::new` names an x86 kernel only at a level capped to the CPU's;
+    // the kernels assert the shapes they index.
+    match tiles {
+        #[cfg(target_arch = "x86_64")]
+        Tiles::Avx512 => unsafe { x86::score_tile512::<G>(q, keys, n, d, out, stride) },
+        #[cfg(target_arch = "x86_64")]
+        Tiles::Avx2 => unsafe { x86::score_tile::<G>(q, keys, n, d, out, stride) },
+        _ => score_tile::<G>(q, keys, n, d, out, stride),
+    }
+}
+
+/// [`accumulate_tile`] by the kernels `tiles` names.
+#[inline(always)]
+fn accumulate<const G: usize>(
+    tiles: Tiles,
+    weights: &[f32],
+    stride: usize,
+    values: &[f32],
+    n: usize,
+    dv: usize,
+    out: &mut [f32],
+) {
+    // SAFETY (both): as in [`score`].
+    match tiles {
+        #[cfg(target_arch = "x86_64")]
+        Tiles::Avx512 => unsafe {
+            x86::accumulate_tile512::<G>(weights, stride, values, n, dv, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        Tiles::Avx2 => unsafe { x86::accumulate_tile::<G>(weights, stride, values, n, dv, out) },
+        _ => accumulate_tile::<G>(weights, stride, values, n, dv, out),
+    }
+}
+
+/// One piece: `g` query heads of one KV head over `slots`, by the `tiles` kernels.
+#[inline(always)]
+fn tile_span<S: TileSource, const G: usize>(
     source: &S,
     block: usize,
     q: &[f32],
     slots: Range<usize>,
     s: &DecodeShape,
+    tiles: Tiles,
 ) -> Partial {
     let (g, d, dv, n) = (s.group, s.head_dim, s.value_dim, slots.len());
     let mut tile = vec![0f32; SUB_TILE * d.max(dv)];
     let mut scores = vec![0f32; g * n];
     let mut acc = vec![0f32; g * dv];
-    let level = match LEVEL {
-        2 if d % 32 == 0 && dv % 32 == 0 => 2,
-        1 | 2 if d % 16 == 0 && dv % 16 == 0 => 1,
-        _ => 0,
-    };
     // A group size without its own instance runs one head at a time.
     let (heads, per_call) = if G == g { (1, G) } else { (g, 1) };
     for t0 in (0..n).step_by(SUB_TILE) {
@@ -474,21 +540,9 @@ fn tile_span<S: TileSource, const G: usize, const LEVEL: u8>(
         source.keys(block, sub, &mut tile[..m * d]);
         for h in 0..heads {
             let (q, out) = (&q[h * d..], &mut scores[h * n + t0..]);
-            // SAFETY (both): the caller checked the CPU; shapes are asserted inside.
-            #[cfg(target_arch = "x86_64")]
-            match (level, per_call) {
-                (2, 1) => unsafe { x86::score_tile512::<1>(q, &tile, m, d, out, n) },
-                (2, _) => unsafe { x86::score_tile512::<G>(q, &tile, m, d, out, n) },
-                (1, 1) => unsafe { x86::score_tile::<1>(q, &tile, m, d, out, n) },
-                (1, _) => unsafe { x86::score_tile::<G>(q, &tile, m, d, out, n) },
-                _ => {}
-            }
-            if level > 0 {
-                continue;
-            }
             match per_call {
-                1 => score_tile::<1>(q, &tile, m, d, out, n),
-                _ => score_tile::<G>(q, &tile, m, d, out, n),
+                1 => score::<1>(tiles, q, &tile, m, d, out, n),
+                _ => score::<G>(tiles, q, &tile, m, d, out, n),
             }
         }
     }
@@ -499,21 +553,9 @@ fn tile_span<S: TileSource, const G: usize, const LEVEL: u8>(
         source.values(block, sub, &mut tile[..m * dv]);
         for h in 0..heads {
             let (w, out) = (&scores[h * n + t0..], &mut acc[h * dv..]);
-            // SAFETY (both): as above.
-            #[cfg(target_arch = "x86_64")]
-            match (level, per_call) {
-                (2, 1) => unsafe { x86::accumulate_tile512::<1>(w, n, &tile, m, dv, out) },
-                (2, _) => unsafe { x86::accumulate_tile512::<G>(w, n, &tile, m, dv, out) },
-                (1, 1) => unsafe { x86::accumulate_tile::<1>(w, n, &tile, m, dv, out) },
-                (1, _) => unsafe { x86::accumulate_tile::<G>(w, n, &tile, m, dv, out) },
-                _ => {}
-            }
-            if level > 0 {
-                continue;
-            }
             match per_call {
-                1 => accumulate_tile::<1>(w, n, &tile, m, dv, out),
-                _ => accumulate_tile::<G>(w, n, &tile, m, dv, out),
+                1 => accumulate::<1>(tiles, w, n, &tile, m, dv, out),
+                _ => accumulate::<G>(tiles, w, n, &tile, m, dv, out),
             }
         }
     }
@@ -521,21 +563,24 @@ fn tile_span<S: TileSource, const G: usize, const LEVEL: u8>(
 }
 
 #[inline(always)]
-fn tile_span_any<S: TileSource, const LEVEL: u8>(
+fn tile_span_any<S: TileSource>(
     source: &S,
     block: usize,
     q: &[f32],
     slots: Range<usize>,
     s: &DecodeShape,
+    tiles: Tiles,
 ) -> Partial {
     match s.group {
-        2 => tile_span::<S, 2, LEVEL>(source, block, q, slots, s),
-        4 => tile_span::<S, 4, LEVEL>(source, block, q, slots, s),
-        8 => tile_span::<S, 8, LEVEL>(source, block, q, slots, s),
-        _ => tile_span::<S, 1, LEVEL>(source, block, q, slots, s),
+        2 => tile_span::<S, 2>(source, block, q, slots, s, tiles),
+        4 => tile_span::<S, 4>(source, block, q, slots, s, tiles),
+        8 => tile_span::<S, 8>(source, block, q, slots, s, tiles),
+        _ => tile_span::<S, 1>(source, block, q, slots, s, tiles),
     }
 }
 
+/// [`tile_span_any`] compiled for AVX2, so the source's decoding and the softmax inlined
+/// into it use the wider vectors too.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_span_avx2<S: TileSource>(
@@ -544,10 +589,12 @@ unsafe fn tile_span_avx2<S: TileSource>(
     q: &[f32],
     slots: Range<usize>,
     s: &DecodeShape,
+    tiles: Tiles,
 ) -> Partial {
-    tile_span_any::<S, 1>(source, block, q, slots, s)
+    tile_span_any(source, block, q, slots, s, tiles)
 }
 
+/// [`tile_span_any`] compiled for AVX-512.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
 unsafe fn tile_span_avx512<S: TileSource>(
@@ -556,44 +603,42 @@ unsafe fn tile_span_avx512<S: TileSource>(
     q: &[f32],
     slots: Range<usize>,
     s: &DecodeShape,
+    tiles: Tiles,
 ) -> Partial {
-    tile_span_any::<S, 2>(source, block, q, slots, s)
+    tile_span_any(source, block, q, slots, s, tiles)
 }
 
 /// Attends `q` (rows × kv_heads × group × head_dim, f32) over `source`, each row over its
-/// visible slots; returns `(rows, kv_heads, group, value_dim)` row-major.
+/// visible slots, with the kernels of `isa` (capped to the CPU's); returns `(rows, kv_heads,
+/// group, value_dim)` row-major. A source with an order of its own must have chosen it for
+/// the same `isa`.
 pub(crate) fn attend_source<S: TileSource>(
     q: &[f32],
     source: &S,
     rows: &[RowSlots],
     s: &DecodeShape,
     scale: f32,
+    isa: Isa,
 ) -> Vec<f32> {
     let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
+    let isa = isa.capped();
+    let tiles = Tiles::new(isa, d, dv);
     let mut q: Vec<f32> = q.iter().map(|x| x * scale).collect();
     q.chunks_exact_mut(d)
         .enumerate()
         .for_each(|(i, head)| source.prepare_query((i / g) % s.kv_heads, head));
-    #[cfg(target_arch = "x86_64")]
-    let level = {
-        let avx2 = std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c");
-        let avx512 =
-            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512vl");
-        avx2 as u8 + (avx2 && avx512) as u8
-    };
     let out = run_pieces(rows, s, |r, h, slots| {
         let block = r * s.kv_heads + h;
         let qh = &q[block * g * d..][..g * d];
-        // SAFETY (both): the features were detected above.
+        // SAFETY (both): `isa` was capped to the CPU's level above, so the CPU has every
+        // feature the wrapper is compiled for.
         #[cfg(target_arch = "x86_64")]
-        match level {
-            2 => return unsafe { tile_span_avx512(source, block, qh, slots, s) },
-            1 => return unsafe { tile_span_avx2(source, block, qh, slots, s) },
-            _ => {}
+        if isa.avx512() {
+            return unsafe { tile_span_avx512(source, block, qh, slots, s, tiles) };
+        } else if isa.avx2() {
+            return unsafe { tile_span_avx2(source, block, qh, slots, s, tiles) };
         }
-        tile_span_any::<S, 0>(source, block, qh, slots, s)
+        tile_span_any(source, block, qh, slots, s, tiles)
     });
     let mut out = out;
     out.chunks_exact_mut(dv)
@@ -611,6 +656,7 @@ pub(crate) fn attend(
     rows: &[RowSlots],
     s: &DecodeShape,
     scale: f32,
+    isa: Isa,
 ) -> candle_core::Result<Tensor> {
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
     let (ks, kl) = keys.storage_and_layout();
@@ -627,13 +673,13 @@ pub(crate) fn attend(
     }
     let out = match (&*ks, &*vs) {
         (Storage::Cpu(CpuStorage::BF16(k)), Storage::Cpu(CpuStorage::BF16(v))) => {
-            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale)
+            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale, isa)
         }
         (Storage::Cpu(CpuStorage::F16(k)), Storage::Cpu(CpuStorage::F16(v))) => {
-            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale)
+            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale, isa)
         }
         (Storage::Cpu(CpuStorage::F32(k)), Storage::Cpu(CpuStorage::F32(v))) => {
-            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale)
+            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale, isa)
         }
         _ => candle_core::bail!("fused decode read needs CPU planes of one float type"),
     };
@@ -645,8 +691,199 @@ pub(crate) fn attend(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::exp_nonpositive;
+pub(crate) mod tests {
+    use super::*;
+
+    /// `n` pseudo-random words from `seed` (splitmix64): test data without a generator crate.
+    pub(crate) fn random_words(seed: u64, n: usize) -> Vec<u32> {
+        let mut state = seed;
+        (0..n)
+            .map(|_| {
+                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                (z ^ (z >> 31)) as u32
+            })
+            .collect()
+    }
+
+    /// `n` pseudo-random values in [-1, 1) from `seed`.
+    pub(crate) fn values(seed: u64, n: usize) -> Vec<f32> {
+        random_words(seed, n)
+            .into_iter()
+            .map(|w| (w >> 8) as f32 / (1 << 23) as f32 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn tiles_follow_the_level_and_the_dimensions() {
+        for isa in Isa::supported() {
+            // What each level runs where both dimensions are multiples of 32, and of 16 only.
+            let (wide, narrow) = match isa {
+                Isa::Portable => (Tiles::Portable, Tiles::Portable),
+                Isa::Avx2 => (Tiles::Avx2, Tiles::Avx2),
+                Isa::Avx512 | Isa::Avx512Vnni => (Tiles::Avx512, Tiles::Avx2),
+            };
+            assert_eq!(Tiles::new(isa, 64, 256), wide, "{isa}");
+            assert_eq!(Tiles::new(isa, 64, 48), narrow, "{isa}");
+            assert_eq!(Tiles::new(isa, 24, 32), Tiles::Portable, "{isa}");
+        }
+    }
+
+    /// Holds [`score`] and [`accumulate`] for `G` heads, at every level this CPU runs, to the
+    /// sums written out in f64.
+    fn check_tiles<const G: usize>() {
+        // Scores and weights of head h sit at h * stride: a stride wider than the rows.
+        let (n, stride) = (7, 11);
+        for isa in Isa::supported() {
+            for d in [16, 24, 32, 64, 256] {
+                let tiles = Tiles::new(isa, d, d);
+                let what = format!("{isa} ({tiles:?}), {G} heads, d {d}");
+                let (q, keys) = (values(1, G * d), values(2, n * d));
+                let mut scores = vec![f32::NAN; (G - 1) * stride + n];
+                score::<G>(tiles, &q, &keys, n, d, &mut scores, stride);
+                for h in 0..G {
+                    for i in 0..n {
+                        let terms = (0..d).map(|c| q[h * d + c] as f64 * keys[i * d + c] as f64);
+                        let want: f64 = terms.clone().sum();
+                        let bound = 1e-6 * terms.map(f64::abs).sum::<f64>() + 1e-6;
+                        let got = scores[h * stride + i] as f64;
+                        assert!(
+                            (got - want).abs() <= bound,
+                            "score, {what}, head {h}, key {i}: {got} vs {want}"
+                        );
+                    }
+                }
+                let (weights, rows) = (values(3, (G - 1) * stride + n), values(4, n * d));
+                let start = values(5, G * d);
+                let mut out = start.clone();
+                accumulate::<G>(tiles, &weights, stride, &rows, n, d, &mut out);
+                for h in 0..G {
+                    for c in 0..d {
+                        let want = start[h * d + c] as f64
+                            + (0..n)
+                                .map(|i| weights[h * stride + i] as f64 * rows[i * d + c] as f64)
+                                .sum::<f64>();
+                        let got = out[h * d + c] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5,
+                            "accumulate, {what}, head {h}, column {c}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tile_kernels_match_f64_sums_at_every_level() {
+        check_tiles::<1>();
+        check_tiles::<2>();
+        check_tiles::<3>();
+        check_tiles::<4>();
+        check_tiles::<8>();
+    }
+
+    /// Softmax attention of one query head over rows `positions` of `keys` (`d` wide) and
+    /// `values` (`dv` wide), in f64 from its definition.
+    fn attention_f64(
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        positions: &[usize],
+        scale: f32,
+    ) -> Vec<f64> {
+        let (d, dv) = (q.len(), values.len() / (keys.len() / q.len()));
+        let scores: Vec<f64> = positions
+            .iter()
+            .map(|&p| {
+                let k = &keys[p * d..][..d];
+                let dot: f64 = q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum();
+                scale as f64 * dot
+            })
+            .collect();
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        (0..dv)
+            .map(|c| {
+                let weighted = positions.iter().zip(&weights);
+                weighted
+                    .map(|(&p, w)| w * values[p * dv + c] as f64)
+                    .sum::<f64>()
+                    / total
+            })
+            .collect()
+    }
+
+    /// The whole decode (pieces, tiles, softmax, merge) at every level this CPU runs, for
+    /// group sizes with and without their own instance, against softmax attention in f64.
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one range per row is the common case
+    fn attend_source_matches_f64_attention_at_every_level() {
+        let (rows, kv_heads, capacity) = (2, 2, 300);
+        // Row 0 spans two pieces of CHUNK slots (merged); row 1 is a wrapped ring.
+        let visible = [vec![3..300], vec![250..300, 0..20]];
+        let slots: Vec<RowSlots> = visible
+            .iter()
+            .map(|r| RowSlots { ranges: r.clone() })
+            .collect();
+        let dims = [
+            (16, 16),
+            (24, 24),
+            (32, 32),
+            (64, 64),
+            (256, 256),
+            (64, 16),
+            (32, 256),
+        ];
+        for isa in Isa::supported() {
+            for group in [1, 2, 3, 4, 8] {
+                for (d, dv) in dims {
+                    let s = DecodeShape {
+                        rows,
+                        kv_heads,
+                        group,
+                        head_dim: d,
+                        value_dim: dv,
+                        capacity,
+                    };
+                    let keys = values(6, rows * kv_heads * capacity * d);
+                    let vals = values(7, rows * kv_heads * capacity * dv);
+                    let q = values(8, rows * kv_heads * group * d);
+                    let scale = 3.0 / (d as f32).sqrt();
+                    let source = PlainSource {
+                        keys: &keys[..],
+                        values: &vals[..],
+                        capacity,
+                        head_dim: d,
+                        value_dim: dv,
+                    };
+                    let got = attend_source(&q, &source, &slots, &s, scale, isa);
+                    for head in 0..rows * kv_heads * group {
+                        let (block, r) = (head / group, head / group / kv_heads);
+                        let positions: Vec<usize> = visible[r].iter().cloned().flatten().collect();
+                        let want = attention_f64(
+                            &q[head * d..][..d],
+                            &keys[block * capacity * d..][..capacity * d],
+                            &vals[block * capacity * dv..][..capacity * dv],
+                            &positions,
+                            scale,
+                        );
+                        for (c, want) in want.into_iter().enumerate() {
+                            let out = got[head * dv + c] as f64;
+                            assert!(
+                                (out - want).abs() <= 2e-5,
+                                "{isa}, group {group}, d {d}, dv {dv}, query head {head}, \
+                                 column {c}: {out} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn fast_exp_matches_f64_exp() {

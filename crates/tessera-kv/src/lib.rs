@@ -24,6 +24,7 @@ mod cache;
 mod decode;
 pub mod device;
 mod error;
+mod isa;
 pub mod plain;
 mod read;
 pub mod rows;
@@ -35,6 +36,7 @@ mod turbo_prep;
 
 pub use cache::{AttentionCache, KvCache, LayerCache};
 pub use error::KvError;
+pub use isa::Isa;
 pub use read::AttentionRead;
 pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep};
 

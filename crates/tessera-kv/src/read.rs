@@ -9,7 +9,7 @@ use crate::device::DevicePlanes;
 use crate::rows::Rows;
 use crate::turbo_decode;
 use crate::turbo_planes::TurboPlanes;
-use crate::KvError;
+use crate::{Isa, KvError};
 use candle_core::{DType, Tensor, D};
 use std::borrow::Cow;
 
@@ -138,46 +138,57 @@ enum Source<'a> {
 #[derive(Debug)]
 pub struct AttentionRead<'a> {
     source: Source<'a>,
+    /// The vector instruction level the CPU kernels of a fused read run at.
+    isa: Isa,
 }
 
 impl<'a> AttentionRead<'a> {
+    /// A read of `source` at the CPU's own level, until the cache sets its layer's ([`Self::at`]).
+    fn of(source: Source<'a>) -> Self {
+        AttentionRead {
+            source,
+            isa: Isa::detected(),
+        }
+    }
+
+    /// This read with its CPU kernels run at `isa` (capped to what the CPU runs).
+    pub(crate) fn at(mut self, isa: Isa) -> Self {
+        self.isa = isa.capped();
+        self
+    }
+
+    /// The vector instruction level the CPU kernels of this read run at.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
     /// A read over gathered keys and values `(rows, kv_heads, keys, dim)` with a mask.
     pub(crate) fn dense(keys: Tensor, values: Tensor, mask: Option<Tensor>) -> Self {
-        AttentionRead {
-            source: Source::Dense { keys, values, mask },
-        }
+        AttentionRead::of(Source::Dense { keys, values, mask })
     }
 
     /// A one-position read straight from plain planes `(rows, kv_heads, capacity, dim)`.
     pub(crate) fn decode(planes_k: Tensor, planes_v: Tensor, rows: Vec<RowSlots>) -> Self {
-        AttentionRead {
-            source: Source::PlainDecode {
-                keys: planes_k,
-                values: planes_v,
-                rows,
-            },
-        }
+        AttentionRead::of(Source::PlainDecode {
+            keys: planes_k,
+            values: planes_v,
+            rows,
+        })
     }
 
     /// A one-position read straight from affine planes.
     pub(crate) fn affine_decode(planes: &'a AffinePlanes, rows: Vec<RowSlots>) -> Self {
-        AttentionRead {
-            source: Source::AffineDecode { planes, rows },
-        }
+        AttentionRead::of(Source::AffineDecode { planes, rows })
     }
 
     /// A one-position read straight from TurboQuant planes.
     pub(crate) fn turbo_decode(planes: &'a TurboPlanes, rows: Vec<RowSlots>) -> Self {
-        AttentionRead {
-            source: Source::TurboDecode { planes, rows },
-        }
+        AttentionRead::of(Source::TurboDecode { planes, rows })
     }
 
     /// A one-position read by the device planes' own kernel.
     pub(crate) fn device_decode(planes: DeviceRef<'a>, rows: Vec<RowSlots>) -> Self {
-        AttentionRead {
-            source: Source::DeviceDecode { planes, rows },
-        }
+        AttentionRead::of(Source::DeviceDecode { planes, rows })
     }
 
     /// A causal chunk read by the device planes' own kernel (or densely, where the backend
@@ -188,14 +199,12 @@ impl<'a> AttentionRead<'a> {
         start: usize,
         queries: usize,
     ) -> Self {
-        AttentionRead {
-            source: Source::DeviceChunk {
-                planes,
-                pads,
-                start,
-                queries,
-            },
-        }
+        AttentionRead::of(Source::DeviceChunk {
+            planes,
+            pads,
+            start,
+            queries,
+        })
     }
 
     /// A causal chunk read straight from TurboQuant slots.
@@ -204,13 +213,11 @@ impl<'a> AttentionRead<'a> {
         pads: Vec<usize>,
         geometry: ChunkGeometry,
     ) -> Self {
-        AttentionRead {
-            source: Source::TurboChunk {
-                planes,
-                pads,
-                geometry,
-            },
-        }
+        AttentionRead::of(Source::TurboChunk {
+            planes,
+            pads,
+            geometry,
+        })
     }
 
     /// A causal chunk read straight from packed affine slots.
@@ -219,13 +226,11 @@ impl<'a> AttentionRead<'a> {
         pads: Vec<usize>,
         geometry: ChunkGeometry,
     ) -> Self {
-        AttentionRead {
-            source: Source::AffineChunk {
-                planes,
-                pads,
-                geometry,
-            },
-        }
+        AttentionRead::of(Source::AffineChunk {
+            planes,
+            pads,
+            geometry,
+        })
     }
 
     /// Materializes a fused read as a dense one over dequantized f32 keys and values (the
@@ -320,6 +325,7 @@ impl<'a> AttentionRead<'a> {
                     rows,
                     &shape,
                     scale,
+                    self.isa,
                 )?);
             }
             Source::AffineChunk { pads, geometry, .. }
@@ -346,7 +352,7 @@ impl<'a> AttentionRead<'a> {
                     }
                     Source::TurboChunk { planes, .. } => affine_chunk::attend_source(
                         &q,
-                        &turbo_decode::source(planes),
+                        &turbo_decode::source(planes, self.isa),
                         pads,
                         &geometry,
                         scale,
@@ -390,6 +396,7 @@ impl<'a> AttentionRead<'a> {
                     rows,
                     &shape,
                     scale,
+                    self.isa,
                 )?);
             }
             Source::AffineDecode { planes, rows } => {
@@ -401,6 +408,7 @@ impl<'a> AttentionRead<'a> {
                     rows,
                     &shape,
                     scale,
+                    self.isa,
                 )?);
             }
         };

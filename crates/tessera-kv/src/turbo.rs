@@ -166,15 +166,15 @@ impl Codebook {
 
     /// [`Codebook::lloyd_max`], computed once per `(dim, bits)` for the whole process.
     pub fn shared(dim: usize, bits: u8) -> Codebook {
-        use std::collections::HashMap;
-        use std::sync::{Mutex, OnceLock};
-        static BOOKS: OnceLock<Mutex<HashMap<(usize, u8), Codebook>>> = OnceLock::new();
-        let books = BOOKS.get_or_init(|| Mutex::new(HashMap::new()));
-        if let Some(book) = books.lock().unwrap().get(&(dim, bits)) {
+        // A panic elsewhere while the lock is held cannot leave the map half-written (books
+        // are computed outside it, inserted whole), so a poisoned lock is taken as is rather
+        // than failing every later cache of the process.
+        let books = || shared_books().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(book) = books().get(&(dim, bits)) {
             return book.clone();
         }
         let book = Codebook::lloyd_max(dim, bits);
-        books.lock().unwrap().insert((dim, bits), book.clone());
+        books().insert((dim, bits), book.clone());
         book
     }
 
@@ -202,9 +202,34 @@ impl Codebook {
     }
 }
 
+/// The process-wide cache behind [`Codebook::shared`].
+fn shared_books() -> &'static std::sync::Mutex<std::collections::HashMap<(usize, u8), Codebook>>
+{
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static BOOKS: OnceLock<Mutex<HashMap<(usize, u8), Codebook>>> = OnceLock::new();
+    BOOKS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_panic_while_the_codebook_cache_is_held_does_not_break_it() {
+        let before = Codebook::shared(64, 2);
+        // A thread that panics while holding the lock poisons it.
+        let poisoner = std::thread::spawn(|| {
+            let _held = shared_books().lock().unwrap();
+            panic!("poisoning the codebook cache on purpose");
+        });
+        assert!(poisoner.join().is_err());
+        assert!(shared_books().is_poisoned());
+        // Cached and new books are still served.
+        assert_eq!(Codebook::shared(64, 2).levels, before.levels);
+        let fresh = Codebook::shared(48, 3);
+        assert_eq!(fresh.levels, Codebook::lloyd_max(48, 3).levels);
+    }
 
     #[test]
     fn rotation_is_orthonormal_and_inverts() {

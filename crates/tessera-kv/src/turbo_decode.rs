@@ -6,6 +6,7 @@
 
 use crate::decode::{self, DecodeShape, RowSlots, TileSource};
 use crate::turbo_planes::{TurboPlane, TurboPlanes};
+use crate::Isa;
 use candle_core::Tensor;
 use std::ops::Range;
 
@@ -24,7 +25,8 @@ impl TurboSource<'_> {
         let (keys, values) = self.planes.planes();
         let plane = [keys, values][which];
         let at = block * self.planes.capacity();
-        // SAFETY (both): `wide` is set only where the CPU and the plane's geometry allow it.
+        // SAFETY (both): `wide` is set only at a level capped to the CPU's that has AVX-512,
+        // and only for the geometries each kernel takes.
         #[cfg(target_arch = "x86_64")]
         match self.wide[which] {
             Some(x86::Wide::LaneMajor) => {
@@ -81,10 +83,11 @@ impl TileSource for TurboSource<'_> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use crate::turbo_planes::TurboPlane;
+    use crate::Isa;
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// How a plane's rows are decoded on this CPU, if by 512-bit code.
+    /// How a plane's rows are decoded by 512-bit code.
     #[derive(Clone, Copy, PartialEq, Eq)]
     pub enum Wide {
         /// 2 and 4 bits: lane-major, element order permuted.
@@ -93,18 +96,17 @@ mod x86 {
         ByteWindow,
     }
 
-    pub fn available(plane: &TurboPlane) -> Option<Wide> {
-        if !std::is_x86_feature_detected!("avx512f") {
+    /// The 512-bit decoding of `plane` at `isa` (capped to the CPU's by the caller), if its
+    /// geometry has one.
+    pub fn available(plane: &TurboPlane, isa: Isa) -> Option<Wide> {
+        if !isa.avx512() {
             return None;
         }
         let (dim, bits) = (plane.dim(), plane.bits() as usize);
         if matches!(bits, 2 | 4) && (dim * bits) % 512 == 0 {
             return Some(Wide::LaneMajor);
         }
-        (dim % 16 == 0
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vl"))
-        .then_some(Wide::ByteWindow)
+        (dim % 16 == 0).then_some(Wide::ByteWindow)
     }
 
     /// # Safety
@@ -195,12 +197,15 @@ mod x86 {
     }
 }
 
-/// The tile source of `planes`: 512-bit decoding where the CPU allows.
-pub(crate) fn source(planes: &TurboPlanes) -> TurboSource<'_> {
+/// The tile source of `planes` at `isa` (capped to the CPU's): 512-bit decoding where the
+/// level and the geometry allow. The decoding and the orders `prepare_query` and
+/// `finish_output` apply are chosen together, here, so they always agree.
+pub(crate) fn source(planes: &TurboPlanes, isa: Isa) -> TurboSource<'_> {
     let (keys, values) = planes.planes();
     #[cfg(target_arch = "x86_64")]
     {
-        let wide = [x86::available(keys), x86::available(values)];
+        let isa = isa.capped();
+        let wide = [x86::available(keys, isa), x86::available(values, isa)];
         let order = |plane: &TurboPlane, wide| {
             (wide == Some(x86::Wide::LaneMajor))
                 .then(|| crate::affine_decode::x86::lane_major_order(plane.dim(), plane.bits()))
@@ -213,7 +218,7 @@ pub(crate) fn source(planes: &TurboPlanes) -> TurboSource<'_> {
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (keys, values);
+        let _ = (keys, values, isa);
         TurboSource {
             planes,
             order: [None, None],
@@ -229,13 +234,81 @@ pub(crate) fn attend(
     rows: &[RowSlots],
     s: &DecodeShape,
     scale: f32,
+    isa: Isa,
 ) -> candle_core::Result<Tensor> {
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
-    let source = source(planes);
-    let out = decode::attend_source(&qv, &source, rows, s, scale);
+    let source = source(planes, isa);
+    let out = decode::attend_source(&qv, &source, rows, s, scale, isa);
     Tensor::from_vec(
         out,
         (s.rows, s.kv_heads * s.group, 1, s.value_dim),
         q.device(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::affine_decode::tests::{assert_permutation, code_bit_by_bit};
+    use crate::decode::tests::values;
+    use candle_core::Device;
+
+    /// The rows a tile source fills (portable `rotated`, 512-bit lane-major or byte-window,
+    /// as the level and the geometry choose), held to `norm · levels[code]` with the codes
+    /// read bit by bit from the stored words.
+    #[test]
+    fn decoded_rows_match_norm_times_level_at_every_level() {
+        let (heads, slots, read) = (2, 6, 1..5);
+        #[cfg(target_arch = "x86_64")]
+        let mut kinds = std::collections::HashSet::new();
+        for isa in Isa::supported() {
+            for bits in 2..=8u8 {
+                // 256 at 2 and 4 bits and 128 at 4 bits are lane-major; 8 is portable.
+                for (d, dv) in [(256, 128), (64, 8)] {
+                    let mut planes = TurboPlanes::new(bits, bits, 1, heads, d, dv);
+                    planes.reserve(slots, usize::MAX);
+                    let tensor = |seed, dim| {
+                        let x = values(seed, heads * slots * dim);
+                        Tensor::from_vec(x, (1, heads, slots, dim), &Device::Cpu).unwrap()
+                    };
+                    planes.write(0, &tensor(12, d), &tensor(13, dv)).unwrap();
+                    let tiles = source(&planes, isa);
+                    #[cfg(target_arch = "x86_64")]
+                    kinds.extend(tiles.wide.into_iter().flatten().map(|w| w as u8));
+                    let (key_plane, value_plane) = planes.planes();
+                    for block in 0..heads {
+                        for (which, plane) in [key_plane, value_plane].into_iter().enumerate() {
+                            let dim = plane.dim();
+                            let what = format!("{isa}, {bits} bits, dim {dim}, block {block}");
+                            let order = tiles.order[which].as_deref();
+                            if let Some(order) = order {
+                                assert_permutation(order, dim);
+                            }
+                            let mut tile = vec![f32::NAN; read.len() * dim];
+                            match which {
+                                0 => tiles.keys(block, read.clone(), &mut tile),
+                                _ => tiles.values(block, read.clone(), &mut tile),
+                            }
+                            for (t, slot) in read.clone().enumerate() {
+                                let (words, norm) = plane.slot(block * planes.capacity() + slot);
+                                for c in 0..dim {
+                                    let e = order.map_or(c, |o| o[c]);
+                                    let code = code_bit_by_bit(words, e, bits as usize);
+                                    let want = norm as f64 * plane.levels()[code] as f64;
+                                    let got = tile[t * dim + c] as f64;
+                                    assert!(
+                                        (got - want).abs() <= 1e-6 * want.abs() + 1e-9,
+                                        "{what}, slot {slot}, column {c}: {got} vs {want}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Both 512-bit decodings ran wherever this CPU has them.
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(kinds.len(), if Isa::detected().avx512() { 2 } else { 0 });
+    }
 }

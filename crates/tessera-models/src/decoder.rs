@@ -17,7 +17,7 @@ use crate::q8::{Linear, Projections};
 use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
-use tessera_kv::{AttentionCache, KvCache, LayerSpec, Retention};
+use tessera_kv::{AttentionCache, Isa, KvCache, LayerSpec, Retention};
 
 /// The architectures this decoder runs (`general.architecture` in GGUF).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,43 +102,215 @@ pub struct DecoderConfig {
 pub const DEFAULT_SLIDING_PATTERN: usize = 6;
 pub const DEFAULT_ROPE_BASE_LOCAL: f32 = 10_000.0;
 
+/// The most layers a config may declare (Llama 3.1 405B has 126): bounds what
+/// [`DecoderConfig::layer_specs`] allocates before any tensor is read.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 impl DecoderConfig {
+    /// The hyperparameters of `g`, validated ([`DecoderConfig::validate`]): a bad value is
+    /// an error naming its key, never a panic later.
     pub fn from_gguf(g: &GgufFile, arch: Arch) -> Result<Self, ModelError> {
         let key = |k: &str| format!("{}.{k}", arch.name());
-        let u = |k: &str| g.u32(&key(k)).map(|x| x as usize);
-        let heads = u("attention.head_count")?;
-        let hidden = u("embedding_length")?;
-        let head_dim = u("attention.key_length").unwrap_or(hidden / heads);
+        let req = |k: &str| g.u32(&key(k)).map(|x| x as usize);
+        let opt = |k: &str| g.opt_u32(&key(k)).map(|x| x.map(|x| x as usize));
+        let opt_f = |k: &str| g.opt_f32(&key(k));
+        let heads = req("attention.head_count")?;
+        let hidden = req("embedding_length")?;
+        if heads == 0 {
+            return Err(bad(&key("attention.head_count"), 0, "must be positive"));
+        }
+        let head_dim = match opt("attention.key_length")? {
+            Some(d) => d,
+            None if hidden % heads != 0 => {
+                return Err(bad(
+                    &key("embedding_length"),
+                    hidden,
+                    format!(
+                        "with no {} it must be a multiple of {} = {heads}",
+                        key("attention.key_length"),
+                        key("attention.head_count")
+                    ),
+                ))
+            }
+            None => hidden / heads,
+        };
         let vocab = g.array("tokenizer.ggml.tokens").map(|a| a.len())?;
         let gemma = arch == Arch::Gemma3;
-        Ok(DecoderConfig {
+        let c = DecoderConfig {
             arch,
             hidden,
-            layers: u("block_count")?,
+            layers: req("block_count")?,
             heads,
-            kv_heads: u("attention.head_count_kv").unwrap_or(heads),
+            kv_heads: opt("attention.head_count_kv")?.unwrap_or(heads),
             head_dim,
-            value_dim: u("attention.value_length").unwrap_or(head_dim),
-            ffn: u("feed_forward_length")?,
-            rms_eps: g
-                .f32(&key("attention.layer_norm_rms_epsilon"))
-                .unwrap_or(1e-6) as f64,
-            rope_base_global: g.f32(&key("rope.freq_base")).unwrap_or(if gemma {
+            value_dim: opt("attention.value_length")?.unwrap_or(head_dim),
+            ffn: req("feed_forward_length")?,
+            rms_eps: opt_f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6) as f64,
+            rope_base_global: opt_f("rope.freq_base")?.unwrap_or(if gemma {
                 1_000_000.0
             } else {
                 10_000.0
             }),
             rope_base_local: DEFAULT_ROPE_BASE_LOCAL,
-            sliding_window: gemma.then(|| u("attention.sliding_window").unwrap_or(512)),
+            sliding_window: if gemma {
+                Some(opt("attention.sliding_window")?.unwrap_or(512))
+            } else {
+                None
+            },
             sliding_pattern: DEFAULT_SLIDING_PATTERN,
             query_pre_attn_scalar: head_dim as f64,
-            context_length: u("context_length").unwrap_or(32768),
+            context_length: opt("context_length")?.unwrap_or(32768),
             vocab,
-        })
+        };
+        // This decoder rotates every dimension of a head.
+        if let Some(rot) = opt("rope.dimension_count")? {
+            if rot != c.head_dim {
+                return Err(bad(
+                    &key("rope.dimension_count"),
+                    rot,
+                    format!(
+                        "this decoder rotates whole heads of {} dimensions (partial RoPE is not supported)",
+                        c.head_dim
+                    ),
+                ));
+            }
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks every value the loader and the forward rely on (positive sizes, heads that
+    /// divide into KV groups, even RoPE dimensions, shapes whose element counts fit,
+    /// finite positive epsilon and RoPE bases), and the [`LayerSpec`]s made from them.
+    /// The error names the GGUF key and its value.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let key = |k: &str| format!("{}.{k}", self.arch.name());
+        let positive = |k: &str, v: usize| {
+            if v == 0 {
+                Err(bad(&key(k), v, "must be positive"))
+            } else {
+                Ok(())
+            }
+        };
+        positive("embedding_length", self.hidden)?;
+        positive("block_count", self.layers)?;
+        if self.layers > MAX_LAYERS {
+            return Err(bad(
+                &key("block_count"),
+                self.layers,
+                format!("more than {MAX_LAYERS} layers"),
+            ));
+        }
+        positive("attention.head_count", self.heads)?;
+        positive("attention.head_count_kv", self.kv_heads)?;
+        if self.heads % self.kv_heads != 0 {
+            return Err(bad(
+                &key("attention.head_count_kv"),
+                self.kv_heads,
+                format!(
+                    "{} = {} is not a multiple of it",
+                    key("attention.head_count"),
+                    self.heads
+                ),
+            ));
+        }
+        positive("attention.key_length", self.head_dim)?;
+        if self.head_dim % 2 != 0 {
+            return Err(bad(
+                &key("attention.key_length"),
+                self.head_dim,
+                "RoPE rotates pairs of dimensions: the head size must be even",
+            ));
+        }
+        positive("attention.value_length", self.value_dim)?;
+        positive("feed_forward_length", self.ffn)?;
+        positive("context_length", self.context_length)?;
+        if self.vocab == 0 || self.vocab > u32::MAX as usize {
+            return Err(ModelError::BadMetadata {
+                key: "tokenizer.ggml.tokens".into(),
+                value: format!("an array of {} values", self.vocab),
+                reason: "the vocabulary needs 1 to 2^32 - 1 tokens".into(),
+            });
+        }
+        if let Some(w) = self.sliding_window {
+            positive("attention.sliding_window", w)?;
+        }
+        if self.sliding_pattern == 0 {
+            return Err(bad("sliding pattern (built in)", 0, "must be positive"));
+        }
+        let float = |k: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(ModelError::BadMetadata {
+                    key: key(k),
+                    value: format!("{v}"),
+                    reason: "must be finite and positive".into(),
+                })
+            }
+        };
+        float("attention.layer_norm_rms_epsilon", self.rms_eps)?;
+        float("rope.freq_base", self.rope_base_global as f64)?;
+        float("rope.freq_base (local)", self.rope_base_local as f64)?;
+        float("query_pre_attn_scalar", self.query_pre_attn_scalar)?;
+        // Every matrix the loader expects, as (rows, cols): neither the rows nor the
+        // element count may wrap.
+        let (h, kd, vd) = (self.heads, self.kv_heads, self.value_dim);
+        let shapes = [
+            (
+                "attention.head_count × attention.key_length",
+                h.checked_mul(self.head_dim),
+                self.hidden,
+            ),
+            (
+                "attention.head_count_kv × attention.key_length",
+                kd.checked_mul(self.head_dim),
+                self.hidden,
+            ),
+            (
+                "attention.head_count_kv × attention.value_length",
+                kd.checked_mul(vd),
+                self.hidden,
+            ),
+            (
+                "attention.head_count × attention.value_length",
+                h.checked_mul(vd),
+                self.hidden,
+            ),
+            ("feed_forward_length", Some(self.ffn), self.hidden),
+            ("tokenizer.ggml.tokens", Some(self.vocab), self.hidden),
+        ];
+        for (what, rows, cols) in shapes {
+            if rows.and_then(|r| r.checked_mul(cols)).is_none() {
+                return Err(ModelError::BadMetadata {
+                    key: key(what),
+                    value: format!("{rows:?} rows of {cols}"),
+                    reason: "the matrix's element count overflows".into(),
+                });
+            }
+        }
+        let specs = self.layer_specs();
+        for (i, s) in specs.iter().enumerate() {
+            let window = match s.retention {
+                Retention::Window { size } => Some(size),
+                _ => None,
+            };
+            if s.kv_heads == 0 || s.head_dim == 0 || s.value_dim == 0 || window == Some(0) {
+                return Err(ModelError::BadMetadata {
+                    key: format!("layer {i}"),
+                    value: format!("{s:?}"),
+                    reason: "a layer needs KV heads, key and value dimensions and a window".into(),
+                });
+            }
+        }
+        Ok(())
     }
 
     pub fn is_sliding(&self, layer: usize) -> bool {
-        self.sliding_window.is_some() && (layer + 1) % self.sliding_pattern != 0
+        self.sliding_window.is_some()
+            && (layer + 1)
+                .checked_rem(self.sliding_pattern)
+                .is_some_and(|r| r != 0)
     }
 
     pub fn layer_specs(&self) -> Vec<LayerSpec> {
@@ -165,6 +337,15 @@ impl DecoderConfig {
                 f / factors.map_or(1.0, |x| x[i] as f64)
             })
             .collect()
+    }
+}
+
+/// A metadata value the decoder cannot run with.
+fn bad(key: &str, value: impl std::fmt::Display, reason: impl Into<String>) -> ModelError {
+    ModelError::BadMetadata {
+        key: key.to_string(),
+        value: value.to_string(),
+        reason: reason.into(),
     }
 }
 
@@ -253,7 +434,11 @@ impl Attention {
         let split = |t: Tensor, heads: usize, dim: usize| {
             t.reshape((b, n, heads, dim))?.transpose(1, 2)?.contiguous()
         };
-        let [q, k, v]: [Tensor; 3] = self.qkv.forward(x)?.try_into().expect("three projections");
+        let [q, k, v]: [Tensor; 3] = self
+            .qkv
+            .forward(x)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("attention needs three projections".into()))?;
         let q = split(q, self.heads, self.head_dim)?;
         let k = split(k, self.kv_heads, self.head_dim)?;
         let v = split(v, self.kv_heads, self.value_dim)?;
@@ -301,6 +486,8 @@ struct Mlp {
     down: Linear,
     /// gelu-tanh (else SiLU).
     gelu: bool,
+    /// The level gelu runs at.
+    isa: Isa,
 }
 
 impl Mlp {
@@ -309,9 +496,9 @@ impl Mlp {
             .gate_up
             .forward(x)?
             .try_into()
-            .expect("two projections");
+            .map_err(|_| candle_core::Error::Msg("the MLP needs two projections".into()))?;
         let gate = if self.gelu {
-            crate::activation::gelu_tanh(&gate)?
+            crate::activation::gelu_tanh(&gate, self.isa)?
         } else {
             candle_nn::ops::silu(&gate)?
         };
@@ -394,7 +581,7 @@ impl Decoder {
                 eps,
             })
         };
-        let mut blocks = Vec::with_capacity(c.layers);
+        let mut blocks = Vec::new();
         for i in 0..c.layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
             let qk_norm = if arch.qk_norm() {
@@ -441,6 +628,7 @@ impl Decoder {
                         MlpActivation::Architecture => arch.gelu(),
                         MlpActivation::Silu => false,
                     },
+                    isa: options.isa.capped(),
                 },
                 post_norms,
                 sliding: c.is_sliding(i),
@@ -504,7 +692,10 @@ impl Decoder {
                 Tensor::from_vec(rows, (b, n, self.config.hidden), &self.device)?
             }
             (None, Linear::Candle(_)) => {
-                unreachable!("embeddings are kept unless the Q8 output serves them")
+                return Err(candle_core::Error::Msg(
+                    "no embedding table: kept unless the Q8 output serves lookups".into(),
+                )
+                .into())
             }
         };
         if !self.config.arch.embed_scale() {
@@ -524,8 +715,8 @@ impl Decoder {
     fn logits(&self, x: &Tensor, mode: LogitsMode) -> Result<Tensor, ModelError> {
         let x = match mode {
             LogitsMode::Last => {
-                let n = x.dims()[1];
-                x.narrow(1, n - 1, 1)?
+                let (_, n, _) = x.dims3()?;
+                x.narrow(1, n.saturating_sub(1), 1)?
             }
             LogitsMode::All => x.clone(),
         };
@@ -542,6 +733,15 @@ impl Decoder {
         mode: LogitsMode,
     ) -> Result<Tensor, ModelError> {
         let (b, n) = tokens.dims2()?;
+        if b == 0 || n == 0 {
+            return Err(ModelError::EmptyInput { rows: b, tokens: n });
+        }
+        if cache.layers().len() != self.blocks.len() {
+            return Err(ModelError::CacheLayers {
+                cache: cache.layers().len(),
+                model: self.blocks.len(),
+            });
+        }
         if cache.batch() != b {
             return Err(ModelError::Kv(tessera_kv::KvError::RowCount {
                 given: b,
@@ -571,6 +771,9 @@ impl Decoder {
     /// independent reference the cached path is tested against; it is not used to serve.
     pub fn forward_uncached(&self, tokens: &[u32]) -> Result<Tensor, ModelError> {
         let n = tokens.len();
+        if n == 0 {
+            return Err(ModelError::EmptyInput { rows: 1, tokens: 0 });
+        }
         let ids = Tensor::from_slice(tokens, (1, n), &self.device)?;
         let positions = vec![(0..n).collect::<Vec<_>>()];
         let (local, global) = self.ropes(&positions)?;
@@ -606,7 +809,7 @@ impl Decoder {
 }
 
 fn as_matmul(t: QTensor, options: &LoadOptions) -> Result<Linear, ModelError> {
-    Ok(Linear::new(t, options.dequantize)?)
+    Ok(Linear::new(t, options.dequantize, options.isa)?)
 }
 
 /// `(b, kv_heads, n, d)` -> `(b, kv_heads * group, n, d)`, each KV head repeated for its group.

@@ -36,6 +36,13 @@ pub enum ModelError {
     #[error("GGUF metadata key `{key}` is missing or has the wrong type")]
     MissingMetadata { key: String },
 
+    #[error("GGUF metadata `{key}` = {value}: {reason}")]
+    BadMetadata {
+        key: String,
+        value: String,
+        reason: String,
+    },
+
     #[error("GGUF tensor `{name}` is missing")]
     MissingTensor { name: String },
 
@@ -54,6 +61,12 @@ pub enum ModelError {
 
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { id: u32, vocab: usize },
+
+    #[error("the KV cache has {cache} layers, the model {model}")]
+    CacheLayers { cache: usize, model: usize },
+
+    #[error("a forward needs at least one row and one token, got ({rows}, {tokens})")]
+    EmptyInput { rows: usize, tokens: usize },
 
     #[error(transparent)]
     Kv(#[from] tessera_kv::KvError),

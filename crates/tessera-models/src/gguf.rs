@@ -38,20 +38,49 @@ impl GgufFile {
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader).map_err(|e| ModelError::Corrupt {
+        let corrupt = |reason: String| ModelError::Corrupt {
             path: path.to_path_buf(),
-            reason: first_line(&e.to_string()),
-        })?;
+            reason,
+        };
+        // candle's reader panics on some headers (a `general.alignment` of 0 divides by
+        // zero): a panic there is a corrupt file, not a crash.
+        let read =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)));
+        let content = match read {
+            Ok(Ok(content)) => content,
+            Ok(Err(e)) => return Err(corrupt(first_line(&e.to_string()))),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                let alignment = content_alignment_hint(path);
+                return Err(corrupt(format!(
+                    "the GGUF reader failed on its header{alignment}: {}",
+                    first_line(&what)
+                )));
+            }
+        };
         for (name, info) in &content.tensor_infos {
-            let elems = info.shape.elem_count();
+            let dims = info.shape.dims();
+            let Some(elems) = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) else {
+                return Err(corrupt(format!(
+                    "tensor `{name}` has shape {dims:?}, whose element count overflows"
+                )));
+            };
             let block = info.ggml_dtype.block_size();
             if elems % block != 0 {
-                return Err(ModelError::Corrupt {
-                    path: path.to_path_buf(),
-                    reason: format!("tensor `{name}` has {elems} elements, not a multiple of its block size {block}"),
-                });
+                return Err(corrupt(format!(
+                    "tensor `{name}` has {elems} elements, not a multiple of its block size {block}"
+                )));
             }
-            let bytes = (elems / block * info.ggml_dtype.type_size()) as u64;
+            let Some(bytes) = (elems / block).checked_mul(info.ggml_dtype.type_size()) else {
+                return Err(corrupt(format!(
+                    "tensor `{name}` of shape {dims:?} overflows its byte count"
+                )));
+            };
+            let bytes = bytes as u64;
             let needed = content
                 .tensor_data_offset
                 .saturating_add(info.offset)
@@ -94,24 +123,47 @@ impl GgufFile {
         }
     }
 
+    /// Integer key `key`: `None` when absent, an error naming the value when it is not an
+    /// integer in `0..=u32::MAX`.
+    pub fn opt_u32(&self, key: &str) -> Result<Option<u32>, ModelError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let wide: Option<i128> = match v {
+            Value::U8(x) => Some(*x as i128),
+            Value::I8(x) => Some(*x as i128),
+            Value::U16(x) => Some(*x as i128),
+            Value::I16(x) => Some(*x as i128),
+            Value::U32(x) => Some(*x as i128),
+            Value::I32(x) => Some(*x as i128),
+            Value::U64(x) => Some(*x as i128),
+            Value::I64(x) => Some(*x as i128),
+            _ => None,
+        };
+        match wide {
+            Some(x) => u32::try_from(x)
+                .map(Some)
+                .map_err(|_| bad_metadata(key, v, "not in 0..=4294967295")),
+            None => Err(bad_metadata(key, v, "expected an unsigned integer")),
+        }
+    }
+
     pub fn u32(&self, key: &str) -> Result<u32, ModelError> {
-        let v = self.get(key).ok_or_else(|| Self::missing(key))?;
-        match v {
-            Value::U8(x) => Ok(*x as u32),
-            Value::U16(x) => Ok(*x as u32),
-            Value::U32(x) => Ok(*x),
-            Value::I32(x) if *x >= 0 => Ok(*x as u32),
-            Value::U64(x) => u32::try_from(*x).map_err(|_| Self::missing(key)),
-            _ => Err(Self::missing(key)),
+        self.opt_u32(key)?.ok_or_else(|| Self::missing(key))
+    }
+
+    /// Float key `key`: `None` when absent, an error naming the value when it is not a float.
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::F32(x)) => Ok(Some(*x)),
+            Some(Value::F64(x)) => Ok(Some(*x as f32)),
+            Some(v) => Err(bad_metadata(key, v, "expected a float")),
         }
     }
 
     pub fn f32(&self, key: &str) -> Result<f32, ModelError> {
-        match self.get(key).ok_or_else(|| Self::missing(key))? {
-            Value::F32(x) => Ok(*x),
-            Value::F64(x) => Ok(*x as f32),
-            _ => Err(Self::missing(key)),
-        }
+        self.opt_f32(key)?.ok_or_else(|| Self::missing(key))
     }
 
     pub fn string(&self, key: &str) -> Result<String, ModelError> {
@@ -180,6 +232,61 @@ impl GgufFile {
 
 fn first_line(s: &str) -> String {
     s.lines().next().unwrap_or("").to_string()
+}
+
+/// A metadata value as an error message shows it: scalars in full, strings and arrays cut.
+pub(crate) fn describe(v: &Value) -> String {
+    match v {
+        Value::Array(a) => format!("an array of {} values", a.len()),
+        Value::String(s) if s.chars().count() > 40 => {
+            format!("{:?}…", s.chars().take(40).collect::<String>())
+        }
+        Value::String(s) => format!("{s:?}"),
+        other => format!("{other:?}"),
+    }
+}
+
+pub(crate) fn bad_metadata(key: &str, v: &Value, reason: impl Into<String>) -> ModelError {
+    ModelError::BadMetadata {
+        key: key.to_string(),
+        value: describe(v),
+        reason: reason.into(),
+    }
+}
+
+/// `, general.alignment = 0` when the header (its first 64 MiB) carries that key with an
+/// integer value of 0, the one known way to make candle's reader panic, so the message
+/// names it; else empty. Runs only after a panic.
+fn content_alignment_hint(path: &Path) -> String {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    let read = File::open(path).and_then(|f| f.take(64 << 20).read_to_end(&mut bytes));
+    if read.is_err() {
+        return String::new();
+    }
+    let key = b"general.alignment";
+    let Some(at) = bytes.windows(key.len()).position(|w| w == key) else {
+        return String::new();
+    };
+    // The key, a u32 value type, then the value in that type's width.
+    let rest = &bytes[at + key.len()..];
+    let Some(kind) = rest
+        .get(..4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    else {
+        return String::new();
+    };
+    let width = match kind {
+        0 | 1 => 1,
+        2 | 3 => 2,
+        4 | 5 => 4,
+        10 | 11 => 8,
+        _ => return String::new(),
+    };
+    match rest.get(4..4 + width) {
+        Some(v) if v.iter().all(|&b| b == 0) => ", general.alignment = 0".to_string(),
+        _ => String::new(),
+    }
 }
 
 const Q5_0_BLOCK_BYTES: usize = 22;

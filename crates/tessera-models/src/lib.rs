@@ -20,7 +20,7 @@ pub use tokenizer::{SpecialTokens, Tokenizer};
 
 use candle_core::{Device, Tensor};
 use std::path::Path;
-use tessera_kv::{KvCache, LayerSpec};
+use tessera_kv::{Isa, KvCache, LayerSpec};
 
 /// Which positions a forward returns logits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +42,10 @@ pub struct LoadOptions {
     pub dequantize: bool,
     /// The MLP activation; only conformance tests change it.
     pub mlp_activation: MlpActivation,
+    /// The vector instruction level of the CPU kernels (capped to what this CPU runs): the
+    /// Q8_0 matmul of [`q8::Q8Matrix`] at [`Isa::Avx512Vnni`], candle's quantized matmul
+    /// below it; gelu's AVX2 + FMA loop from [`Isa::Avx2`].
+    pub isa: Isa,
 }
 
 impl Default for LoadOptions {
@@ -50,6 +54,7 @@ impl Default for LoadOptions {
             reencode_q5_0: true,
             dequantize: false,
             mlp_activation: MlpActivation::Architecture,
+            isa: Isa::detected(),
         }
     }
 }

@@ -12,11 +12,14 @@
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Result, Tensor};
+use tessera_kv::Isa;
 
 const BLOCK: usize = 32;
 const Q8_0_BYTES: usize = 34;
 
-/// A Q8_0 matrix `(n, k)` repacked for [`Q8Matrix::matmul`].
+/// A Q8_0 matrix `(n, k)` repacked for [`Q8Matrix::matmul`]. One exists only where the
+/// CPU runs the kernel ([`Q8Matrix::from_qtensor`] returns `None` below
+/// [`Isa::Avx512Vnni`]), so its matmul needs no check of its own.
 pub struct Q8Matrix {
     n: usize,
     k: usize,
@@ -27,31 +30,17 @@ pub struct Q8Matrix {
     d: Vec<u16>,
 }
 
-/// Whether this CPU runs the kernel.
-pub fn supported() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vl")
-            && std::is_x86_feature_detected!("avx512dq")
-            && std::is_x86_feature_detected!("avx512vnni")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 impl Q8Matrix {
-    /// Repacks a 2-D Q8_0 tensor; `None` for any other type.
-    pub fn from_qtensor(t: &QTensor) -> Result<Option<Self>> {
-        if t.dtype() != GgmlDType::Q8_0 {
+    /// Repacks a 2-D Q8_0 tensor; `None` for any other type, and at any level below
+    /// [`Isa::Avx512Vnni`] (`isa` capped to what this CPU runs).
+    pub fn from_qtensor(t: &QTensor, isa: Isa) -> Result<Option<Self>> {
+        if t.dtype() != GgmlDType::Q8_0 || !isa.capped().vnni() || !t.device().is_cpu() {
             return Ok(None);
         }
         let (n, k) = t.shape().dims2()?;
+        if k == 0 || k % BLOCK != 0 {
+            return Ok(None);
+        }
         let kb = k / BLOCK;
         let data = t.data()?;
         let mut qs = vec![0i8; n * k];
@@ -73,7 +62,9 @@ impl Q8Matrix {
     /// `x` `(..., k)` f32 times this matrix transposed: `(..., n)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dims = x.dims().to_vec();
-        let k = *dims.last().unwrap();
+        let Some(&k) = dims.last() else {
+            candle_core::bail!("Q8Matrix: a scalar input has no width");
+        };
         if k != self.k {
             candle_core::bail!("Q8Matrix: input width {k}, matrix width {}", self.k);
         }
@@ -82,12 +73,23 @@ impl Q8Matrix {
         let mut out = vec![0f32; m * self.n];
         self.matmul(&xs, m, &mut out);
         let mut out_dims = dims;
-        *out_dims.last_mut().unwrap() = self.n;
+        out_dims.pop();
+        out_dims.push(self.n);
         Tensor::from_vec(out, out_dims, x.device())
     }
 
     /// `out (m, n) = x (m, k) · Wᵀ`.
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        // The tiles write through raw pointers: the lengths are what keeps them in bounds.
+        assert!(
+            x.len() == m * self.k && out.len() == m * self.n,
+            "Q8Matrix::matmul: x of {} and out of {} for ({m}, {}) · ({}, {})ᵀ",
+            x.len(),
+            out.len(),
+            self.k,
+            self.n,
+            self.k
+        );
         let acts = QuantizedActs::new(x, m, self.k);
         let tiles = self.n.div_ceil(4);
         let out_ptr = out.as_mut_ptr() as usize;
@@ -138,30 +140,6 @@ impl Q8Matrix {
             }
             i += mr;
         }
-    }
-
-    /// The same arithmetic in plain scalar code, in f64: the test reference.
-    pub fn matmul_reference(&self, x: &[f32], m: usize) -> Vec<f32> {
-        let acts = QuantizedActs::new(x, m, self.k);
-        let kb = self.k / BLOCK;
-        let mut out = vec![0f32; m * self.n];
-        for i in 0..m {
-            for j in 0..self.n {
-                let mut acc = 0f64;
-                for b in 0..kb {
-                    let mut dot = 0i64;
-                    for e in 0..BLOCK {
-                        let a = acts.q[i * self.k + b * BLOCK + e] as i64;
-                        dot += a * self.qs[j * self.k + b * BLOCK + e] as i64;
-                    }
-                    acc += acts.d[i * kb + b] as f64
-                        * half::f16::from_bits(self.d[j * kb + b]).to_f64()
-                        * dot as f64;
-                }
-                out[i * self.n + j] = acc as f32;
-            }
-        }
-        out
     }
 }
 
@@ -372,120 +350,213 @@ unsafe fn row_dot(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Module};
+    use candle_core::Device;
 
-    fn data(n: usize, seed: u32) -> Vec<f32> {
+    /// Values in [-1, 1) from a seeded xorshift stream.
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
-            .map(|i| {
-                (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32
-                    / 1000.0
-                    - 1.0
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
             })
             .collect()
     }
 
-    #[test]
-    fn matches_scalar_reference_and_dequantized_matmul() {
-        if !supported() {
-            eprintln!("skipped: no AVX-512 VNNI on this CPU");
-            return;
+    /// The Q8_0 weights of `qt` `(n, k)` from its bytes, by the format's definition: per
+    /// 32-element block a little-endian f16 scale then 32 int8 codes. Returns the codes
+    /// and the scales (as f64).
+    fn weight_blocks(qt: &QTensor) -> (Vec<i8>, Vec<f64>) {
+        let data = qt.data().unwrap();
+        assert_eq!(data.len() % 34, 0);
+        let mut codes = Vec::new();
+        let mut scales = Vec::new();
+        for block in data.chunks_exact(34) {
+            scales.push(half::f16::from_bits(u16::from_le_bytes([block[0], block[1]])).to_f64());
+            codes.extend(block[2..].iter().map(|&b| b as i8));
         }
+        (codes, scales)
+    }
+
+    /// Q8_0 activation quantization by its definition (llama.cpp's
+    /// `quantize_row_q8_0_ref`, in f32 as there): per 32-element block d = max|x| / 127,
+    /// codes round(x · (1 / d)) half away from zero (0 where d = 0). `f16_scale`: the
+    /// scale kept as f16, as candle's Q8_0 activation blocks store it (the VNNI kernel
+    /// keeps it in f32).
+    fn activation_blocks(x: &[f32], f16_scale: bool) -> (Vec<i8>, Vec<f64>) {
+        let mut codes = Vec::new();
+        let mut scales = Vec::new();
+        for block in x.chunks_exact(32) {
+            let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+            codes.extend(block.iter().map(|v| (v * inv).round() as i8));
+            scales.push(if f16_scale {
+                half::f16::from_f32(d).to_f64()
+            } else {
+                d as f64
+            });
+        }
+        (codes, scales)
+    }
+
+    /// Every level this CPU runs dispatches as stated (the Q8_0 kernel at AVX-512 VNNI,
+    /// candle's matmul below it) and, at every level, `Linear::forward` on decode rows and
+    /// prefill tiles (shapes not multiples of the 4 × 4 tile, nor of the 16-row
+    /// quantization chunk; odd block counts take the 256-bit tile, even ones the 512-bit)
+    /// matches two independent f64 references built from the format's definition:
+    ///
+    /// 1. the quantized arithmetic itself, Σ_blocks d_w · d_a · Σ q_w q_a, with the
+    ///    activation blocks quantized by definition: within 1e-5 of the sum of the block
+    ///    terms' magnitudes (f32 accumulation over at most 20 blocks is ~25 ulps);
+    /// 2. the exact product of the dequantized weights (f16 scale × i8 code) with the
+    ///    unquantized activations, within the bound that int8 activation rounding gives:
+    ///    each activation moves by at most d_a / 2, and an f16 activation scale by a
+    ///    further 2^-11 relative, so |err| ≤ Σ |w| · (d_a / 2 · (1 + 2^-11) + 2^-11 |x|)
+    ///    (plus the same f32 accumulation slack).
+    #[test]
+    fn linear_matches_f64_references_at_every_level() {
         let dev = Device::Cpu;
-        // m = 1 takes the decode path; even block counts the 512-bit tile; k = 96 the 256-bit one.
-        for (m, n, k) in [(1, 13, 640), (5, 64, 64), (9, 30, 256), (3, 7, 96)] {
-            let w = Tensor::from_vec(data(n * k, 1), (n, k), &dev).unwrap();
-            let qt = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
-            let mat = Q8Matrix::from_qtensor(&qt).unwrap().unwrap();
-            let x = data(m * k, 7);
-            let mut got = vec![0f32; m * n];
-            mat.matmul(&x, m, &mut got);
-            let want = mat.matmul_reference(&x, m);
-            for (g, r) in got.iter().zip(&want) {
-                assert!(
-                    (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
-                    "{g} vs {r} (m {m} n {n} k {k})"
-                );
+        let shapes = [
+            (1, 13, 640), // decode, 20 blocks
+            (1, 1, 32),
+            (1, 301, 96),  // decode, odd block count
+            (5, 64, 64),   // 512-bit tile, one row left over
+            (9, 30, 256),  // 512-bit tile, two weight rows left over
+            (3, 7, 96),    // 256-bit tile (odd block count)
+            (6, 1, 32),    // 256-bit tile, a single weight row
+            (19, 45, 640), // prefill: two quantization chunks, three rows left over
+            (34, 9, 160),  // 256-bit tile over three quantization chunks
+        ];
+        let levels = Isa::supported();
+        assert_eq!(levels[0], Isa::Portable);
+        for &isa in &levels {
+            for (si, &(m, n, k)) in shapes.iter().enumerate() {
+                let seed = 100 * si as u64;
+                let w = Tensor::from_vec(data(n * k, seed + 1), (n, k), &dev).unwrap();
+                let qt = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+                let (wq, wd) = weight_blocks(&qt);
+                let mut x = data(m * k, seed + 2);
+                // A zero block (scale 0) and a block of one large value among small ones.
+                x[..32].fill(0.0);
+                if k >= 64 {
+                    x[32..64].iter_mut().for_each(|v| *v *= 1e-3);
+                    x[40] = 30.0;
+                }
+                let lin = Linear::new(qt, false, isa).unwrap();
+                let q8 = isa == Isa::Avx512Vnni;
+                assert_eq!(matches!(lin, Linear::Q8(_)), q8, "{isa}: dispatch");
+                let xt = Tensor::from_vec(x.clone(), (1, m, k), &dev).unwrap();
+                let out = lin.forward(&xt).unwrap();
+                assert_eq!(out.dims(), &[1, m, n], "{isa}");
+                let got: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+                let (aq, ad) = activation_blocks(&x, !q8);
+                let kb = k / 32;
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut quantized, mut magnitude) = (0f64, 0f64);
+                        let (mut exact, mut bound, mut abs) = (0f64, 0f64, 0f64);
+                        for b in 0..kb {
+                            let (dw, da) = (wd[j * kb + b], ad[i * kb + b]);
+                            let xs = &x[i * k + b * 32..i * k + (b + 1) * 32];
+                            // The block's activation scale in exact arithmetic.
+                            let d_exact =
+                                xs.iter().fold(0f64, |a, v| a.max(v.abs() as f64)) / 127.0;
+                            let mut dot = 0i64;
+                            for (t, &xv) in xs.iter().enumerate() {
+                                let (we, xe) = (j * k + b * 32 + t, i * k + b * 32 + t);
+                                let (wv, xv) = (wq[we] as f64 * dw, xv as f64);
+                                dot += wq[we] as i64 * aq[xe] as i64;
+                                exact += wv * xv;
+                                abs += (wv * xv).abs();
+                                bound += wv.abs()
+                                    * (d_exact / 2.0 * (1.0 + 2f64.powi(-11))
+                                        + 2f64.powi(-11) * xv.abs());
+                            }
+                            let term = dw * da * dot as f64;
+                            quantized += term;
+                            magnitude += term.abs();
+                        }
+                        let g = got[i * n + j] as f64;
+                        assert!(
+                            (g - quantized).abs() <= 1e-5 * magnitude + 1e-12,
+                            "{isa} (m {m} n {n} k {k}) [{i},{j}]: {g} vs quantized reference {quantized}"
+                        );
+                        let tol = bound * (1.0 + 1e-4) + 1e-5 * (abs + magnitude) + 1e-12;
+                        assert!(
+                            (g - exact).abs() <= tol,
+                            "{isa} (m {m} n {n} k {k}) [{i},{j}]: {g} vs exact {exact} (bound {tol})"
+                        );
+                    }
+                }
             }
-            // Against f32 math on the dequantized weights: only activation rounding differs.
-            let xt = Tensor::from_vec(x.clone(), (m, k), &dev).unwrap();
-            let exact: Vec<f32> = xt
-                .matmul(&qt.dequantize(&dev).unwrap().t().unwrap())
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let norm = exact.iter().map(|v| v * v).sum::<f32>().sqrt();
-            let err = got
-                .iter()
-                .zip(&exact)
-                .map(|(a, b)| (a - b) * (a - b))
-                .sum::<f32>()
-                .sqrt();
-            assert!(err / norm < 0.01, "relative error {}", err / norm);
-            let via_candle: Vec<f32> = candle_core::quantized::QMatMul::from_qtensor(qt)
-                .unwrap()
-                .forward(&xt)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let err_c = via_candle
-                .iter()
-                .zip(&exact)
-                .map(|(a, b)| (a - b) * (a - b))
-                .sum::<f32>()
-                .sqrt();
-            assert!(err <= 1.5 * err_c + 1e-6, "ours {err} vs candle {err_c}");
         }
     }
-    /// Candle-quantized parts of one type and width stack into one matmul whose split
-    /// output equals the separate matmuls' bit for bit; mixed types stay separate.
+
+    /// Parts of one type and width stack into one matmul whose split output equals the
+    /// separate matmuls' bit for bit, at every level (Q8_0 parts: the repacked kernel at
+    /// AVX-512 VNNI, candle below); mixed types stay separate; no parts is no stack.
     #[test]
-    fn quantized_projections_stack_exactly() {
-        use candle_core::quantized::QMatMul;
+    fn projections_stack_exactly_at_every_level() {
         let dev = Device::Cpu;
         let k = 96;
-        let part = |n: usize, seed: u32, dtype: GgmlDType| {
-            let w = Tensor::from_vec(data(n * k, seed), (n, k), &dev).unwrap();
-            Linear::Candle(QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap())
-        };
-        let x = Tensor::from_vec(data(3 * k, 9), (1, 3, k), &dev).unwrap();
         let widths = [40, 8, 24];
-        let make = |dtypes: [GgmlDType; 3]| -> Vec<Linear> {
-            (0..3)
-                .map(|i| part(widths[i], 11 + i as u32, dtypes[i]))
-                .collect()
-        };
-        let q4 = [GgmlDType::Q4_0; 3];
-        let separate: Vec<Tensor> = make(q4).iter().map(|p| p.forward(&x).unwrap()).collect();
-        let stacked = Projections::new(make(q4)).unwrap();
-        assert!(matches!(stacked, Projections::Stacked { .. }));
-        let outs = stacked.forward(&x).unwrap();
-        assert_eq!(outs.len(), 3);
-        for (got, want) in outs.iter().zip(&separate) {
-            assert_eq!(got.dims(), want.dims());
-            let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
-            assert_eq!(flat(got), flat(want));
+        let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+        for isa in Isa::supported() {
+            let part = |n: usize, seed: u64, dtype: GgmlDType| {
+                let w = Tensor::from_vec(data(n * k, seed), (n, k), &dev).unwrap();
+                Linear::new(QTensor::quantize(&w, dtype).unwrap(), false, isa).unwrap()
+            };
+            let make = |dtypes: [GgmlDType; 3]| -> Vec<Linear> {
+                (0..3)
+                    .map(|i| part(widths[i], 11 + i as u64, dtypes[i]))
+                    .collect()
+            };
+            for m in [1, 5] {
+                let x = Tensor::from_vec(data(m * k, 9), (1, m, k), &dev).unwrap();
+                for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0] {
+                    let parts = make([dtype; 3]);
+                    let separate: Vec<Tensor> =
+                        parts.iter().map(|p| p.forward(&x).unwrap()).collect();
+                    let stacked = Projections::new(make([dtype; 3])).unwrap();
+                    let Projections::Stacked { matrix, .. } = &stacked else {
+                        panic!("{isa} {dtype:?}: not stacked");
+                    };
+                    let q8 = isa == Isa::Avx512Vnni && dtype == GgmlDType::Q8_0;
+                    assert_eq!(matches!(matrix, Linear::Q8(_)), q8, "{isa} {dtype:?}");
+                    let outs = stacked.forward(&x).unwrap();
+                    assert_eq!(outs.len(), 3);
+                    for ((got, want), n) in outs.iter().zip(&separate).zip(widths) {
+                        assert_eq!(got.dims(), &[1, m, n]);
+                        assert_eq!(flat(got), flat(want), "{isa} {dtype:?} m {m}");
+                    }
+                }
+            }
+            let mixed = [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4_0];
+            assert!(matches!(
+                Projections::new(make(mixed)).unwrap(),
+                Projections::Separate(_)
+            ));
+            assert!(matches!(
+                Projections::new(Vec::new()).unwrap(),
+                Projections::Separate(p) if p.is_empty()
+            ));
         }
-        let mixed = [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4_0];
-        assert!(matches!(
-            Projections::new(make(mixed)).unwrap(),
-            Projections::Separate(_)
-        ));
     }
 }
 
 impl Q8Matrix {
     /// The rows of `parts` stacked into one matrix (all of one width), so projections that
     /// read the same input run as one matmul: one activation quantization, one dispatch.
-    pub fn stack(parts: Vec<Q8Matrix>) -> Q8Matrix {
-        let k = parts[0].k;
-        assert!(
-            parts.iter().all(|p| p.k == k),
-            "stacked matrices share their width"
-        );
+    pub fn stack(parts: Vec<Q8Matrix>) -> Result<Q8Matrix> {
+        let Some(k) = parts.first().map(|p| p.k) else {
+            candle_core::bail!("Q8Matrix::stack: no matrices");
+        };
+        if let Some(p) = parts.iter().find(|p| p.k != k) {
+            candle_core::bail!("Q8Matrix::stack: widths {k} and {} differ", p.k);
+        }
         let n = parts.iter().map(|p| p.n).sum();
         let mut qs = Vec::with_capacity(n * k);
         let mut d = Vec::with_capacity(n * k / BLOCK);
@@ -493,7 +564,7 @@ impl Q8Matrix {
             qs.extend_from_slice(&p.qs);
             d.extend_from_slice(&p.d);
         }
-        Q8Matrix { n, k, qs, d }
+        Ok(Q8Matrix { n, k, qs, d })
     }
 
     /// Row `j` dequantized: an embedding lookup on a tied matrix.
@@ -508,24 +579,24 @@ impl Q8Matrix {
     }
 }
 
-/// A weight matrix: repacked Q8_0 where this CPU runs [`Q8Matrix`], candle's matmul otherwise.
+/// A weight matrix: repacked Q8_0 at [`Isa::Avx512Vnni`] (where this CPU runs
+/// [`Q8Matrix`]), candle's matmul otherwise.
 pub enum Linear {
     Q8(Q8Matrix),
     Candle(candle_core::quantized::QMatMul),
 }
 
 impl Linear {
-    /// `dequantize` forces f32 weights (reference tests).
-    pub fn new(t: QTensor, dequantize: bool) -> Result<Self> {
+    /// `dequantize` forces f32 weights (reference tests); `isa` (capped to what this CPU
+    /// runs) picks the Q8_0 kernel at [`Isa::Avx512Vnni`], candle's matmul below it.
+    pub fn new(t: QTensor, dequantize: bool, isa: Isa) -> Result<Self> {
         if dequantize {
             return Ok(Linear::Candle(candle_core::quantized::QMatMul::Tensor(
                 t.dequantize(&t.device())?,
             )));
         }
-        if supported() && t.device().is_cpu() {
-            if let Some(m) = Q8Matrix::from_qtensor(&t)? {
-                return Ok(Linear::Q8(m));
-            }
+        if let Some(m) = Q8Matrix::from_qtensor(&t, isa)? {
+            return Ok(Linear::Q8(m));
         }
         candle_core::quantized::QMatMul::from_qtensor(t).map(Linear::Candle)
     }
@@ -548,8 +619,11 @@ pub enum Projections {
     Separate(Vec<Linear>),
 }
 
-/// The quantized tensors behind `parts`, where every part is one.
+/// The quantized tensors behind `parts`, where every part is one (and there is one).
 fn quantized(parts: &[Linear]) -> Option<Vec<&QTensor>> {
+    if parts.is_empty() {
+        return None;
+    }
     parts
         .iter()
         .map(|p| match p {
@@ -587,20 +661,21 @@ fn stack_quantized(parts: &[&QTensor]) -> Result<Option<QTensor>> {
 
 impl Projections {
     pub fn new(parts: Vec<Linear>) -> Result<Self> {
-        if parts.iter().all(|p| matches!(p, Linear::Q8(_))) {
-            let mats: Vec<Q8Matrix> = parts
-                .into_iter()
-                .map(|p| {
-                    if let Linear::Q8(m) = p {
-                        m
-                    } else {
-                        unreachable!()
-                    }
-                })
-                .collect();
+        let q8_width = |p: &Linear| match p {
+            Linear::Q8(m) => Some(m.k),
+            Linear::Candle(_) => None,
+        };
+        let first = parts.first().and_then(q8_width);
+        if first.is_some() && parts.iter().all(|p| q8_width(p) == first) {
+            let mut mats = Vec::with_capacity(parts.len());
+            for p in parts {
+                if let Linear::Q8(m) = p {
+                    mats.push(m);
+                }
+            }
             let widths = mats.iter().map(|m| m.n).collect();
             return Ok(Projections::Stacked {
-                matrix: Linear::Q8(Q8Matrix::stack(mats)),
+                matrix: Linear::Q8(Q8Matrix::stack(mats)?),
                 widths,
             });
         }

@@ -58,59 +58,102 @@ impl Tokenizer {
                 "tokenizer model `{model}` is not supported (this build reads SentencePiece `llama` and byte-level BPE `gpt2` vocabularies)"
             )));
         }
+        const TOKENS: &str = "tokenizer.ggml.tokens";
+        const SCORES: &str = "tokenizer.ggml.scores";
+        const TYPES: &str = "tokenizer.ggml.token_type";
+        let entry = |key: &str, i: usize, v: &Value, what: &str| {
+            ModelError::Tokenizer(format!(
+                "`{key}` entry {i} is {}, expected {what}",
+                crate::gguf::describe(v)
+            ))
+        };
         let tokens: Vec<String> = gguf
-            .array("tokenizer.ggml.tokens")?
+            .array(TOKENS)?
             .iter()
-            .map(|v| v.to_string().cloned().map_err(tokenizer_error))
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(s.clone()),
+                _ => Err(entry(TOKENS, i, v, "a string")),
+            })
             .collect::<Result<_, _>>()?;
+        if tokens.is_empty() || tokens.len() > u32::MAX as usize {
+            return Err(ModelError::Tokenizer(format!(
+                "`{TOKENS}` holds {} tokens: a vocabulary needs 1 to 2^32 - 1",
+                tokens.len()
+            )));
+        }
         // Byte-level vocabularies rank merges instead of scoring pieces.
-        let scores: Vec<f32> = match (model.as_str(), gguf.array("tokenizer.ggml.scores")) {
-            (_, Ok(a)) => a
+        let scores: Vec<f32> = match (model.as_str(), gguf.get(SCORES)) {
+            (_, Some(_)) => gguf
+                .array(SCORES)?
                 .iter()
-                .map(|v| v.to_f32().map_err(tokenizer_error))
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::F32(x) => Ok(*x),
+                    Value::F64(x) => Ok(*x as f32),
+                    _ => Err(entry(SCORES, i, v, "a float")),
+                })
                 .collect::<Result<_, _>>()?,
-            ("gpt2", Err(_)) => vec![0.0; tokens.len()],
-            (_, Err(e)) => return Err(e),
+            ("gpt2", None) => vec![0.0; tokens.len()],
+            (_, None) => return Err(ModelError::MissingMetadata { key: SCORES.into() }),
         };
         let types: Vec<i32> = gguf
-            .array("tokenizer.ggml.token_type")?
+            .array(TYPES)?
             .iter()
-            .map(|v| match v {
+            .enumerate()
+            .map(|(i, v)| match v {
                 Value::I32(x) => Ok(*x),
-                Value::U32(x) => Ok(*x as i32),
-                _ => Err(tokenizer_error("token_type entries must be integers")),
+                Value::U32(x) => i32::try_from(*x).map_err(|_| entry(TYPES, i, v, "a token type")),
+                _ => Err(entry(TYPES, i, v, "an integer")),
             })
             .collect::<Result<_, _>>()?;
         if scores.len() != tokens.len() || types.len() != tokens.len() {
             return Err(ModelError::Tokenizer(format!(
-                "{} tokens but {} scores and {} token types",
+                "`{TOKENS}` holds {} tokens but `{SCORES}` {} and `{TYPES}` {} entries",
                 tokens.len(),
                 scores.len(),
                 types.len()
             )));
         }
-        let id = |key: &str| gguf.u32(key).ok();
+        // Special token ids must name tokens of the vocabulary.
+        let id = |key: &str| -> Result<Option<u32>, ModelError> {
+            match gguf.opt_u32(key)? {
+                Some(id) if id as usize >= tokens.len() => Err(ModelError::BadMetadata {
+                    key: key.to_string(),
+                    value: id.to_string(),
+                    reason: format!("outside the vocabulary of {} tokens", tokens.len()),
+                }),
+                other => Ok(other),
+            }
+        };
         let find = |text: &str| tokens.iter().position(|t| t == text).map(|i| i as u32);
+        let end_of_turn = match id("tokenizer.ggml.eot_token_id")? {
+            Some(id) => Some(id),
+            // The token that ends a chat turn: Gemma's, Llama 3's, Qwen's (ChatML).
+            None => ["<end_of_turn>", "<|eot_id|>", "<|im_end|>"]
+                .iter()
+                .find_map(|t| find(t)),
+        };
         let special = SpecialTokens {
-            bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id").ok_or_else(|| ModelError::MissingMetadata {
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?.ok_or_else(|| ModelError::MissingMetadata {
                 key: "tokenizer.ggml.eos_token_id".into(),
             })?,
-            // The token that ends a chat turn: Gemma's, Llama 3's, Qwen's (ChatML).
-            end_of_turn: id("tokenizer.ggml.eot_token_id").or_else(|| {
-                ["<end_of_turn>", "<|eot_id|>", "<|im_end|>"]
-                    .iter()
-                    .find_map(|t| find(t))
-            }),
+            end_of_turn,
             start_of_turn: find("<start_of_turn>"),
             // llama.cpp's defaults: SentencePiece vocabularies add BOS, byte-level ones not.
             add_bos: gguf.bool_or("tokenizer.ggml.add_bos_token", model == "llama"),
         };
         let inner = if model == "gpt2" {
+            const MERGES: &str = "tokenizer.ggml.merges";
             let merges: Vec<String> = gguf
-                .array("tokenizer.ggml.merges")?
+                .array(MERGES)?
                 .iter()
-                .map(|v| v.to_string().cloned().map_err(tokenizer_error))
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    _ => Err(entry(MERGES, i, v, "a string")),
+                })
                 .collect::<Result<_, _>>()?;
             let pre = gguf
                 .string("tokenizer.ggml.pre")
@@ -245,7 +288,8 @@ fn add_declared_tokens(
     let added: Vec<AddedToken> = tokens
         .iter()
         .zip(types)
-        .filter(|(_, &t)| t == CONTROL || t == USER_DEFINED)
+        // (An empty text would match everywhere: such a token is never matched whole.)
+        .filter(|(text, &t)| (t == CONTROL || t == USER_DEFINED) && !text.is_empty())
         .map(|(text, &t)| AddedToken::from(text.clone(), t == CONTROL).normalized(false))
         .collect();
     tok.add_special_tokens(added.iter().filter(|a| a.special).cloned())
