@@ -11,6 +11,12 @@
 //!   (llama.cpp's "normal" RoPE); Llama 3.1+ files carry `rope_freqs.weight`, factors that
 //!   divide the RoPE frequencies.
 //! - Qwen 3: Llama's block plus QK-norm, RoPE over the two halves of each head (NeoX).
+//! - Qwen 2 and 2.5 (Hugging Face `modeling_qwen2`, llama.cpp's `LLM_ARCH_QWEN2`): Llama's
+//!   block with biases on the query, key and value projections (`blk.N.attn_{q,k,v}.bias`,
+//!   added after the stacked matmul), no QK-norm, NeoX RoPE. Every layer is global: Hugging
+//!   Face's `use_sliding_window` is off in every released checkpoint, and llama.cpp neither
+//!   writes nor reads a window for `qwen2`; a file declaring a window shorter than its
+//!   context is refused rather than silently run unwindowed ([`DecoderConfig::from_gguf`]).
 
 use crate::gguf::{q5_0_as_q8_0, GgufFile};
 use crate::q8::{Linear, Projections};
@@ -24,6 +30,7 @@ use tessera_kv::{AttentionCache, Isa, KvCache, LayerSpec, Retention};
 pub enum Arch {
     Gemma3,
     Llama,
+    Qwen2,
     Qwen3,
 }
 
@@ -32,6 +39,7 @@ impl Arch {
         match name {
             "gemma3" => Some(Arch::Gemma3),
             "llama" => Some(Arch::Llama),
+            "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
             _ => None,
         }
@@ -41,6 +49,7 @@ impl Arch {
         match self {
             Arch::Gemma3 => "gemma3",
             Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
         }
     }
@@ -48,6 +57,11 @@ impl Arch {
     /// RMSNorm of each head's queries and keys before RoPE.
     pub fn qk_norm(self) -> bool {
         matches!(self, Arch::Gemma3 | Arch::Qwen3)
+    }
+
+    /// Biases on the query, key and value projections (`blk.N.attn_{q,k,v}.bias`).
+    pub fn qkv_bias(self) -> bool {
+        self == Arch::Qwen2
     }
 
     /// RMSNorms on the attention and MLP outputs, before the residual adds.
@@ -162,6 +176,9 @@ impl DecoderConfig {
             context_length: opt("context_length")?.unwrap_or(32768),
             vocab,
         };
+        if arch == Arch::Qwen2 {
+            c.qwen2_window_is_off(g)?;
+        }
         // This decoder rotates every dimension of a head.
         if let Some(rot) = opt("rope.dimension_count")? {
             if rot != c.head_dim {
@@ -177,6 +194,54 @@ impl DecoderConfig {
         }
         c.validate()?;
         Ok(c)
+    }
+
+    /// Qwen 2 runs every layer global. Its Hugging Face config can declare sliding-window
+    /// layers (`use_sliding_window`, `sliding_window`, `max_window_layers`), but every
+    /// released Qwen 2 / 2.5 checkpoint has `use_sliding_window: false`, and llama.cpp's
+    /// converter writes no window for `qwen2` (nor does its loader read one). A file that
+    /// does carry one is accepted when the window spans the whole context (the same
+    /// attention) and refused otherwise, since which layers would slide is not recorded.
+    fn qwen2_window_is_off(&self, g: &GgufFile) -> Result<(), ModelError> {
+        let key = |k: &str| format!("{}.{k}", self.arch.name());
+        if let Some(w) = g.opt_u32(&key("attention.sliding_window"))? {
+            if (w as usize) < self.context_length {
+                return Err(bad(
+                    &key("attention.sliding_window"),
+                    w,
+                    format!(
+                        "qwen2 runs every layer global (Qwen 2 / 2.5 ship with sliding windows \
+                         off); a window shorter than {} = {} is not supported",
+                        key("context_length"),
+                        self.context_length
+                    ),
+                ));
+            }
+        }
+        let pattern = key("attention.sliding_window_pattern");
+        if let Some(v) = g.get(&pattern) {
+            use candle_core::quantized::gguf_file::Value;
+            let off = match v {
+                Value::Bool(b) => Some(!b),
+                Value::Array(a) => a
+                    .iter()
+                    .map(|x| match x {
+                        Value::Bool(b) => Some(!b),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<bool>>>()
+                    .map(|all| all.into_iter().all(|off| off)),
+                _ => None,
+            };
+            if off != Some(true) {
+                return Err(crate::gguf::bad_metadata(
+                    &pattern,
+                    v,
+                    "qwen2 runs every layer global: only an all-false pattern is supported",
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Checks every value the loader and the forward rely on (positive sizes, heads that
@@ -411,6 +476,8 @@ impl Rope {
 struct Attention {
     /// Query, key and value projections, stacked into one matmul where possible.
     qkv: Projections,
+    /// The query, key and value biases concatenated, where the architecture has them.
+    qkv_bias: Option<Tensor>,
     o: Linear,
     /// Per-head RMSNorms of queries and keys, where the architecture has them.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
@@ -436,7 +503,7 @@ impl Attention {
         };
         let [q, k, v]: [Tensor; 3] = self
             .qkv
-            .forward(x)?
+            .forward_biased(x, self.qkv_bias.as_ref())?
             .try_into()
             .map_err(|_| candle_core::Error::Msg("attention needs three projections".into()))?;
         let q = split(q, self.heads, self.head_dim)?;
@@ -600,12 +667,28 @@ impl Decoder {
             } else {
                 None
             };
+            let (q_rows, k_rows, v_rows) = (
+                c.heads * c.head_dim,
+                c.kv_heads * c.head_dim,
+                c.kv_heads * c.value_dim,
+            );
+            let qkv_bias = if arch.qkv_bias() {
+                let mut parts = Vec::with_capacity(3);
+                for (part, rows) in [("attn_q", q_rows), ("attn_k", k_rows), ("attn_v", v_rows)] {
+                    let name = format!("blk.{i}.{part}.bias");
+                    parts.push(g.tensor(&name, &[rows], device)?.dequantize(device)?);
+                }
+                Some(Tensor::cat(&parts, 0)?)
+            } else {
+                None
+            };
             let attn = Attention {
                 qkv: Projections::new(vec![
-                    matrix(g, p("attn_q"), c.heads * c.head_dim, c.hidden)?,
-                    matrix(g, p("attn_k"), c.kv_heads * c.head_dim, c.hidden)?,
-                    matrix(g, p("attn_v"), c.kv_heads * c.value_dim, c.hidden)?,
+                    matrix(g, p("attn_q"), q_rows, c.hidden)?,
+                    matrix(g, p("attn_k"), k_rows, c.hidden)?,
+                    matrix(g, p("attn_v"), v_rows, c.hidden)?,
                 ])?,
+                qkv_bias,
                 o: matrix(g, p("attn_output"), c.hidden, c.heads * c.value_dim)?,
                 qk_norm,
                 heads: c.heads,

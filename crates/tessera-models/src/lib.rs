@@ -69,7 +69,7 @@ pub enum MlpActivation {
     Silu,
 }
 
-pub const SUPPORTED_ARCHITECTURES: &str = "gemma3, llama, qwen3";
+pub const SUPPORTED_ARCHITECTURES: &str = "gemma3, llama, qwen2, qwen3";
 
 /// A loaded model of one of the supported architectures (all decoder-only transformers
 /// of one graph, see [`decoder`]).

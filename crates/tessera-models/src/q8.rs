@@ -532,6 +532,25 @@ mod tests {
                         assert_eq!(got.dims(), &[1, m, n]);
                         assert_eq!(flat(got), flat(want), "{isa} {dtype:?} m {m}");
                     }
+                    // Biases: added to the stack before the split, or per part, alike.
+                    let total: usize = widths.iter().sum();
+                    let bias = Tensor::from_vec(data(total, 5), total, &dev).unwrap();
+                    let unstacked = Projections::Separate(make([dtype; 3]));
+                    let a = stacked.forward_biased(&x, Some(&bias)).unwrap();
+                    let b = unstacked.forward_biased(&x, Some(&bias)).unwrap();
+                    let mut start = 0;
+                    for ((got, other), (want, n)) in
+                        a.iter().zip(&b).zip(separate.iter().zip(widths))
+                    {
+                        let part = bias.narrow(0, start, n).unwrap();
+                        start += n;
+                        let want = flat(&want.broadcast_add(&part).unwrap());
+                        assert_eq!(flat(got), want, "{isa} {dtype:?} m {m} biased");
+                        assert_eq!(flat(other), want, "{isa} {dtype:?} m {m} biased, separate");
+                    }
+                    let short = bias.narrow(0, 0, total - 1).unwrap();
+                    assert!(stacked.forward_biased(&x, Some(&short)).is_err());
+                    assert!(unstacked.forward_biased(&x, Some(&short)).is_err());
                 }
             }
             let mixed = [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4_0];
@@ -696,10 +715,44 @@ impl Projections {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        self.forward_biased(x, None)
+    }
+
+    /// [`Projections::forward`] plus `bias`, the parts' biases concatenated (one value per
+    /// output row of the stack, in part order): added once to the stacked output before the
+    /// split, or split per part for separate matmuls.
+    pub fn forward_biased(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Vec<Tensor>> {
         match self {
-            Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            Projections::Separate(parts) => {
+                let mut start = 0;
+                let outs = parts
+                    .iter()
+                    .map(|p| {
+                        let y = p.forward(x)?;
+                        let Some(bias) = bias else {
+                            return Ok(y);
+                        };
+                        let w = y.dim(candle_core::D::Minus1)?;
+                        let part = bias.narrow(0, start, w)?;
+                        start += w;
+                        y.broadcast_add(&part)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                if let Some(bias) = bias {
+                    if bias.dims() != [start] {
+                        candle_core::bail!(
+                            "projection bias of shape {:?} for {start} output rows",
+                            bias.dims()
+                        );
+                    }
+                }
+                Ok(outs)
+            }
             Projections::Stacked { matrix, widths } => {
-                let all = matrix.forward(x)?;
+                let mut all = matrix.forward(x)?;
+                if let Some(bias) = bias {
+                    all = all.broadcast_add(bias)?;
+                }
                 let last = all.rank() - 1;
                 let mut start = 0;
                 widths

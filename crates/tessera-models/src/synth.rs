@@ -56,9 +56,10 @@ const fn shape(
 const G: Arch = Arch::Gemma3;
 const L: Arch = Arch::Llama;
 const Q: Arch = Arch::Qwen3;
+const Q2: Arch = Arch::Qwen2;
 
-/// Gemma 3 (270M to 27B), Llama 3.x (1B to 70B) and Qwen 3 (0.6B to 32B) sizes; each
-/// architecture's `tiny` is for tests.
+/// Gemma 3 (270M to 27B), Llama 3.x (1B to 70B), Qwen 2.5 (0.5B to 7B) and Qwen 3 (0.6B
+/// to 32B) sizes; each architecture's `tiny` is for tests.
 pub const PRESETS: &[SynthShape] = &[
     SynthShape {
         sliding_window: 16,
@@ -74,6 +75,10 @@ pub const PRESETS: &[SynthShape] = &[
     shape(L, "llama3.2-3b", 3072, 28, 24, 8, 128, 8192, 128_256),
     shape(L, "llama3-8b", 4096, 32, 32, 8, 128, 14336, 128_256),
     shape(L, "llama3-70b", 8192, 80, 64, 8, 128, 28672, 128_256),
+    shape(Q2, "tiny", 64, 4, 4, 2, 16, 128, 512),
+    shape(Q2, "qwen2.5-0.5b", 896, 24, 14, 2, 64, 4864, 151_936),
+    shape(Q2, "qwen2.5-1.5b", 1536, 28, 12, 2, 128, 8960, 151_936),
+    shape(Q2, "qwen2.5-7b", 3584, 28, 28, 4, 128, 18944, 152_064),
     shape(Q, "tiny", 64, 4, 4, 2, 16, 128, 512),
     shape(Q, "qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151_936),
     shape(Q, "qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151_936),
@@ -82,7 +87,7 @@ pub const PRESETS: &[SynthShape] = &[
 ];
 
 /// Architectures `synth` writes: those the engine loads.
-pub const SYNTH_ARCHITECTURES: &str = "gemma3, llama, qwen3";
+pub const SYNTH_ARCHITECTURES: &str = "gemma3, llama, qwen2, qwen3";
 
 /// The preset `name` of `arch`, or an error listing what exists.
 pub fn preset(arch: &str, name: &str) -> Result<SynthShape, ModelError> {
@@ -117,7 +122,10 @@ pub fn parse_dtype(name: &str) -> Result<GgmlDType, ModelError> {
 impl SynthShape {
     /// Parameters, embeddings included (tied, as synth writes them).
     pub fn parameters(&self) -> usize {
-        let attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads);
+        let mut attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads);
+        if self.arch.qkv_bias() {
+            attn += self.head_dim * (self.heads + 2 * self.kv_heads);
+        }
         let mlp = 3 * self.hidden * self.ffn;
         let norms = self
             .norms()
@@ -210,6 +218,7 @@ pub fn write_model(
         };
     matrix("token_embd.weight".into(), s.vocab, s.hidden, &mut seed)?;
     let mut norms: Vec<(String, usize)> = vec![("output_norm.weight".into(), s.hidden)];
+    let mut biases: Vec<(String, Tensor)> = Vec::new();
     for i in 0..s.layers {
         let p = |x: &str| format!("blk.{i}.{x}.weight");
         matrix(p("attn_q"), s.heads * s.head_dim, s.hidden, &mut seed)?;
@@ -222,6 +231,20 @@ pub fn write_model(
         for (n, hidden) in s.norms() {
             norms.push((p(n), if hidden { s.hidden } else { s.head_dim }));
         }
+        if s.arch.qkv_bias() {
+            // Random, so a test sees a bias dropped or misplaced; F32, as llama.cpp stores them.
+            for (part, heads) in [
+                ("attn_q", s.heads),
+                ("attn_k", s.kv_heads),
+                ("attn_v", s.kv_heads),
+            ] {
+                let b = uniform((1, heads * s.head_dim), 0.5, &mut seed)?.flatten_all()?;
+                biases.push((format!("blk.{i}.{part}.bias"), b));
+            }
+        }
+    }
+    for (name, b) in biases {
+        tensors.push((name, QTensor::quantize(&b, GgmlDType::F32)?));
     }
     for (name, dim) in norms {
         let ones = Tensor::ones(dim, candle_core::DType::F32, &Device::Cpu)?;
@@ -235,7 +258,7 @@ pub fn write_model(
     let k = |key: &str| format!("{arch}.{key}");
     let rope_base = match s.arch {
         Arch::Llama => 500_000.0,
-        Arch::Gemma3 | Arch::Qwen3 => 1_000_000.0,
+        Arch::Gemma3 | Arch::Qwen2 | Arch::Qwen3 => 1_000_000.0,
     };
     let mut metadata: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
