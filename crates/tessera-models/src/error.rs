@@ -56,6 +56,14 @@ pub enum ModelError {
     #[error("tokenizer: {0}")]
     Tokenizer(String),
 
+    /// A byte-level BPE vocabulary whose `tokenizer.ggml.pre` names no pre-tokenizer this
+    /// build knows.
+    #[error(
+        "tokenizer: byte-level BPE pre-tokenizer `{}` (`tokenizer.ggml.pre`) is not supported: {reason}",
+        pre.escape_debug()
+    )]
+    UnknownPreTokenizer { pre: String, reason: &'static str },
+
     #[error("model synth: {0}")]
     Synth(String),
 

@@ -293,6 +293,8 @@ pub fn write_model(
         ("tokenizer.ggml.bos_token_id".into(), u(2)),
         ("tokenizer.ggml.eos_token_id".into(), u(1)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+        // As Gemma's GGUFs say; without the key llama.cpp (and so we) prefix a space.
+        ("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)),
     ];
     if s.arch == Arch::Gemma3 {
         metadata.push((k("attention.sliding_window"), u(s.sliding_window)));
