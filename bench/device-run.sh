@@ -3,6 +3,7 @@
 # carried in .device/, then the steps named as arguments, each logged under $OUT.
 #   parity  kv-cache-parity (the CUDA KV backend against the CPU cache)
 #   chunkread  kv-read-bench chunk: the fused chunk read alone against an f64 reference, timed
+#   plantfail  kv-cache-parity --plant-failure: one output perturbed, so the run must fail here
 #   readparity  kv-read-bench parity: every decode-read kernel against an f64 reference
 #   eval    perplexity of a synthetic gemma3-270m, --device cpu vs cuda, bf16/affine:4/affine:8
 #   e2e     tessera bench --device cuda, synthetic gemma3-270m, depth 32k, batch 1 and 16
@@ -20,7 +21,12 @@
 #           torch SDPA
 #   variants  decode-read kernel variants at 32k tokens, then the folded ones again under each
 #           VARIANT_DEFINES entry (NAME:VALUE, a #define)
-set -u
+# Any failing command fails the run (set -e, and pipefail through the `| tee` logs): a parity
+# miss (kv-cache-parity, kv-read-bench parity / chunk exit 1 on any) stops it with a nonzero
+# status and names the step.
+set -eEuo pipefail
+step=setup
+trap 'echo "device-run.sh: step \"$step\" failed (line $LINENO, status $?)" >&2' ERR
 NV=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
 export LD_LIBRARY_PATH=$NV:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 B=/tmp/tessera-bin; mkdir -p $B
@@ -35,6 +41,7 @@ for step in "$@"; do
   case $step in
     parity) log parity; $B/kv-cache-parity 2>&1 | tee $OUT/parity.txt ;;
     chunkread) log chunkread; $B/kv-read-bench chunk 2>&1 | tee $OUT/chunk-read.txt ;;
+    plantfail) log plantfail; $B/kv-cache-parity --plant-failure 2>&1 | tee $OUT/plant-failure.txt ;;
     readparity) log readparity; $B/kv-read-bench parity 2>&1 | tee $OUT/read-parity.txt ;;
     eval)
       log eval; synth gemma3-270m
@@ -84,6 +91,7 @@ for step in "$@"; do
     stage)
       mkdir -p $(dirname $STAGED)
       for f in .device/stage/s*; do
+        [ -f "$f" ] || { echo "stage: no .device/stage/s* pieces carried" >&2; exit 2; }
         [ -f $STAGED.$(basename $f) ] || { cat $f >> $STAGED && touch $STAGED.$(basename $f); }
       done; ls -la $STAGED ;;
     real)

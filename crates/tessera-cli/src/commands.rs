@@ -134,8 +134,8 @@ fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
             }
         }
     }
-    if args.repetition_penalty <= 0.0 {
-        bail!("--repetition-penalty must be positive");
+    if !(args.repetition_penalty > 0.0 && args.repetition_penalty.is_finite()) {
+        bail!("--repetition-penalty must be a finite number > 0");
     }
     Ok(SamplerConfig {
         temperature: args.temperature,
@@ -153,26 +153,58 @@ fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
     std::iter::once(s.eos).chain(s.end_of_turn).collect()
 }
 
-/// A user turn and the start of the reply, in the chat format the vocabulary was trained
-/// with (told apart by its turn tokens): Gemma's, Llama 3's, or ChatML (Qwen).
-fn user_turn(tok: &Tokenizer, text: &str) -> Result<String> {
-    if tok.token_id("<start_of_turn>").is_some() {
-        Ok(format!(
-            "<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
-        ))
-    } else if tok.token_id("<|start_header_id|>").is_some() {
-        Ok(format!(
-            "<|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>\
-             <|start_header_id|>assistant<|end_header_id|>\n\n"
-        ))
-    } else if tok.token_id("<|im_start|>").is_some() {
-        Ok(format!(
-            "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-        ))
-    } else {
-        bail!(
-            "no chat format known for this vocabulary (Gemma, Llama 3 and ChatML turn tokens are)"
-        )
+/// A built-in chat format, told apart by the vocabulary's turn tokens. What opens a user
+/// turn, starts the reply and closes a turn belongs to the template, so a renderer of the
+/// GGUF's own `tokenizer.chat_template` can take its place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatFormat {
+    Gemma,
+    Llama3,
+    /// Qwen's.
+    ChatMl,
+}
+
+impl ChatFormat {
+    /// The format the vocabulary was trained with; `has_token` says whether a token with
+    /// that text exists.
+    pub fn detect(has_token: impl Fn(&str) -> bool) -> Result<ChatFormat> {
+        if has_token("<start_of_turn>") {
+            Ok(ChatFormat::Gemma)
+        } else if has_token("<|start_header_id|>") {
+            Ok(ChatFormat::Llama3)
+        } else if has_token("<|im_start|>") {
+            Ok(ChatFormat::ChatMl)
+        } else {
+            bail!(
+                "no chat format known for this vocabulary (Gemma, Llama 3 and ChatML turn tokens are)"
+            )
+        }
+    }
+
+    pub fn of(tok: &Tokenizer) -> Result<ChatFormat> {
+        ChatFormat::detect(|t| tok.token_id(t).is_some())
+    }
+
+    /// The text that closes a turn, the user's or the model's.
+    pub fn end_of_turn(self) -> &'static str {
+        match self {
+            ChatFormat::Gemma => "<end_of_turn>\n",
+            ChatFormat::Llama3 => "<|eot_id|>",
+            ChatFormat::ChatMl => "<|im_end|>\n",
+        }
+    }
+
+    /// A user turn, closed, and the start of the reply.
+    pub fn user_turn(self, text: &str) -> String {
+        let (user, reply) = match self {
+            ChatFormat::Gemma => ("<start_of_turn>user\n", "<start_of_turn>model\n"),
+            ChatFormat::Llama3 => (
+                "<|start_header_id|>user<|end_header_id|>\n\n",
+                "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            ),
+            ChatFormat::ChatMl => ("<|im_start|>user\n", "<|im_start|>assistant\n"),
+        };
+        format!("{user}{text}{}{reply}", self.end_of_turn())
     }
 }
 
@@ -191,7 +223,7 @@ pub fn generate(
     let (model, tok) = load(margs)?;
     let load_time = t0.elapsed();
     let text = if chat_template {
-        user_turn(&tok, prompt)?
+        ChatFormat::of(&tok)?.user_turn(prompt)
     } else {
         prompt.to_string()
     };
@@ -207,6 +239,7 @@ pub fn generate(
         out.flush()?;
         produced += 1;
     }
+    out.write_all(stream.finish().as_bytes())?;
     writeln!(out)?;
     let reason = gen.stop_reason();
     let s = gen.session();
@@ -233,6 +266,7 @@ pub fn chat(
     let scheme = scheme_of(kv)?;
     let sampler = sampler(sargs)?;
     let (model, tok) = load(margs)?;
+    let template = ChatFormat::of(&tok)?;
     let mut session = Session::new(&model, &scheme, prefill_chunk)?;
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -260,7 +294,7 @@ pub fn chat(
             _ => {}
         }
         let first = session.tokens().is_empty();
-        let ids = tok.encode(&user_turn(&tok, line)?, first)?;
+        let ids = tok.encode(&template.user_turn(line), first)?;
         let mut gen = match Generation::new(
             &mut session,
             &ids,
@@ -280,9 +314,9 @@ pub fn chat(
             write!(out, "{piece}")?;
             out.flush()?;
         }
-        writeln!(out)?;
+        writeln!(out, "{}", stream.finish())?;
         // Close the model's turn so the next user turn follows the template.
-        let close = tok.encode("<end_of_turn>\n", false)?;
+        let close = tok.encode(template.end_of_turn(), false)?;
         if session.context_left() > close.len() {
             session.feed(&close)?;
         }
@@ -325,7 +359,16 @@ pub fn eval(
         .with_context(|| format!("cannot read text file {}", text.display()))?;
     let (model, tok) = load(margs)?;
     let ids = tok.encode(&body, true)?;
-    let bos = tok.special().bos.unwrap_or(ids[0]);
+    if ids.len() < 2 {
+        bail!(
+            "the text has {} tokens; eval needs at least 2 ({})",
+            ids.len(),
+            text.display()
+        );
+    }
+    // Each chunk starts with BOS when the vocabulary adds one (as in llama-perplexity).
+    let special = tok.special();
+    let bos = special.bos.filter(|_| special.add_bos);
     let mode = match ctx {
         Some(ctx) => EvalMode::Chunks { ctx, chunks },
         None => EvalMode::Decode { prefill, tokens },
@@ -414,6 +457,26 @@ pub fn fetch() -> Result<()> {
     Ok(())
 }
 
+/// `tessera model fetch-vocab`: the tokenizer test vocabularies into $TESSERA_HOME/vocab.
+pub fn fetch_vocab(force: bool) -> Result<()> {
+    let mut progress = |e: FetchEvent| {
+        if let FetchEvent::Step(s) = e {
+            eprintln!("tessera: {s}");
+        }
+    };
+    let dir = if force {
+        store::fetch_test_vocabularies(&mut progress)
+    } else {
+        store::ensure_test_vocabularies(&mut progress)
+    }
+    .map_err(|e| match e {
+        tessera_engine::EngineError::Fetch(m) => anyhow::anyhow!("test vocabularies: {m}"),
+        e => e.into(),
+    })?;
+    println!("{}", dir.display());
+    Ok(())
+}
+
 pub fn info(model: Option<&Path>) -> Result<()> {
     let path = match model {
         Some(p) => p.to_path_buf(),
@@ -478,4 +541,58 @@ pub fn synth(arch: &str, preset: &str, out: &Path, dtype: &str, seed: u64) -> Re
         t.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ChatFormat;
+
+    fn vocab(tokens: &'static [&'static str]) -> impl Fn(&str) -> bool {
+        move |t| tokens.contains(&t)
+    }
+
+    #[test]
+    fn chat_templates_are_told_apart_by_turn_tokens() {
+        let detect = |tokens| ChatFormat::detect(vocab(tokens)).ok();
+        assert_eq!(
+            detect(&["<start_of_turn>", "<end_of_turn>"]),
+            Some(ChatFormat::Gemma)
+        );
+        assert_eq!(
+            detect(&["<|start_header_id|>", "<|eot_id|>"]),
+            Some(ChatFormat::Llama3)
+        );
+        assert_eq!(
+            detect(&["<|im_start|>", "<|im_end|>"]),
+            Some(ChatFormat::ChatMl)
+        );
+        assert_eq!(detect(&["<s>", "</s>"]), None);
+    }
+
+    #[test]
+    fn each_template_closes_turns_with_its_own_end_of_turn() {
+        // What `chat` feeds after each reply, so the next user turn follows the template.
+        let cases = [
+            (ChatFormat::Gemma, "<end_of_turn>\n"),
+            (ChatFormat::Llama3, "<|eot_id|>"),
+            (ChatFormat::ChatMl, "<|im_end|>\n"),
+        ];
+        for (template, close) in cases {
+            assert_eq!(template.end_of_turn(), close, "{template:?}");
+        }
+        // The same text closes the user's turn inside the template.
+        assert_eq!(
+            ChatFormat::Gemma.user_turn("Hi"),
+            "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            ChatFormat::Llama3.user_turn("Hi"),
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        assert_eq!(
+            ChatFormat::ChatMl.user_turn("Hi"),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
 }

@@ -181,7 +181,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Fetch the default model or describe a model file.
+    /// Fetch the default model or the test vocabularies, describe a model file, or write a
+    /// synthetic one.
     Model {
         #[command(subcommand)]
         action: ModelAction,
@@ -192,6 +193,15 @@ enum Command {
 enum ModelAction {
     /// Download, assemble and verify the default model now.
     Fetch,
+    /// Fetch llama.cpp's tokenizer test vocabularies into $TESSERA_HOME/vocab (the tests read them).
+    ///
+    /// ggml-vocab-*.gguf with their .inp / .out test files, from the llama-cpp-python sdist
+    /// on PyPI (verified by sha256; nothing is built). Skipped when already complete.
+    FetchVocab {
+        /// Fetch again even if the folder is complete.
+        #[arg(long)]
+        force: bool,
+    },
     /// Print architecture, layers, heads, context, vocabulary and tensor types.
     Info {
         #[arg(long)]
@@ -301,6 +311,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Model {
             action: ModelAction::Fetch,
         } => commands::fetch(),
+        Command::Model {
+            action: ModelAction::FetchVocab { force },
+        } => commands::fetch_vocab(force),
         Command::Model {
             action: ModelAction::Info { model },
         } => commands::info(model.as_deref()),

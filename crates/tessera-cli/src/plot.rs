@@ -390,12 +390,56 @@ mod tests {
         let svg = kl_vs_bits_svg(&points, "t");
         // bf16, affine, turbo, turbo:global; lines only where a family has two points.
         assert_eq!(svg.matches("<polyline").count(), 2);
+        // Families take the palette's colours in order of first appearance: bf16, affine,
+        // turbo, turbo:global. The palette's colours are all different.
+        for (i, a) in PALETTE.iter().enumerate() {
+            assert!(!PALETTE[..i].contains(a), "{a} twice in the palette");
+        }
         let fill = |label: &str| colour_of_circle(&svg, &points, label);
-        assert_eq!(fill("affine:8"), fill("affine:4"));
-        assert_eq!(fill("turbo:4"), fill("turbo:6:3"));
-        assert_ne!(fill("affine:4"), fill("turbo:4"));
-        assert_ne!(fill("turbo:4"), fill("turbo:4:global"));
-        assert!(svg.contains(">turbo:global</text>"), "legend entry");
+        let expected = [
+            ("bf16", 0),
+            ("affine:8", 1),
+            ("affine:4", 1),
+            ("turbo:4", 2),
+            ("turbo:6:3", 2),
+            ("turbo:4:global", 3),
+        ];
+        for (label, i) in expected {
+            assert_eq!(fill(label), PALETTE[i], "circle of {label}");
+        }
+        // Each family's legend swatch, and each line, in the family's colour.
+        for (f, i) in [
+            ("bf16", 0),
+            ("affine", 1),
+            ("turbo", 2),
+            ("turbo:global", 3),
+        ] {
+            let entry = svg
+                .lines()
+                .find(|l| l.starts_with("<rect x=") && l.ends_with(&format!(">{f}</text>")))
+                .unwrap_or_else(|| panic!("legend entry of {f}"));
+            assert!(
+                entry.contains(&format!("fill=\"{}\"", PALETTE[i])),
+                "{entry}"
+            );
+        }
+        let strokes: Vec<&str> = svg
+            .split("<polyline")
+            .skip(1)
+            .map(|l| {
+                l.split("stroke=\"")
+                    .nth(1)
+                    .unwrap()
+                    .split('"')
+                    .next()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(
+            strokes,
+            [PALETTE[1], PALETTE[2]],
+            "affine's line, then turbo's"
+        );
         // A point beaten at fewer bits stays off its family's line.
         let points = [
             point("turbo:4:3", 3.56, 0.06),

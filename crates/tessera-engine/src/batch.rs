@@ -21,10 +21,16 @@ pub fn generate_batch_greedy(
     if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
         return Err(EngineError::EmptyPrompt);
     }
-    let longest = prompts.iter().map(|p| p.len()).max().unwrap();
-    if longest + max_tokens > model.context_length() {
+    if prefill_chunk == 0 {
+        return Err(EngineError::Invalid(
+            "--prefill-chunk must be at least 1".into(),
+        ));
+    }
+    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    // Saturating: a huge `max_tokens` must not wrap around past the check.
+    if longest.saturating_add(max_tokens) > model.context_length() {
         return Err(EngineError::PromptTooLong {
-            prompt: longest + max_tokens,
+            prompt: longest.saturating_add(max_tokens),
             context: model.context_length(),
         });
     }
@@ -56,7 +62,7 @@ pub fn generate_batch_greedy(
     }
     let mut out = vec![Vec::new(); b];
     let mut done = vec![false; b];
-    let mut logits = logits.expect("prefill ran");
+    let mut logits = logits.ok_or(EngineError::EmptyPrompt)?;
     for step in 0..max_tokens {
         let rows_logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
         let next: Vec<u32> = rows_logits.iter().map(|l| argmax(l)).collect();

@@ -17,6 +17,11 @@ pub enum EngineError {
     #[error("default model: {0}")]
     Fetch(String),
 
+    /// A chat template that does not parse, fails to render, or calls
+    /// `raise_exception(msg)` (then the text is exactly `msg`).
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+
     #[error(transparent)]
     Model(#[from] tessera_models::ModelError),
 

@@ -68,14 +68,29 @@ fn argmax64(v: &[f64]) -> usize {
     best
 }
 
-/// Evaluates each `(name, scheme)` on `tokens` (the text's tokens, BOS first).
+/// Evaluates each `(name, scheme)` on `tokens` (the text's tokens, BOS first when the
+/// vocabulary adds one). In [`EvalMode::Chunks`], `bos` replaces each chunk's first token,
+/// as llama.cpp does when the vocabulary adds BOS; `None` keeps the text's own tokens.
 pub fn evaluate(
     model: &Model,
     tokens: &[u32],
     schemes: &[(String, KvScheme)],
     mode: EvalMode,
-    bos: u32,
+    bos: Option<u32>,
 ) -> Result<Vec<SchemeResult>, EngineError> {
+    // Scoring needs a token to condition on and one to predict.
+    if tokens.len() < 2 {
+        return Err(EngineError::TextTooShort {
+            have: tokens.len(),
+            need: 2,
+        });
+    }
+    let vocab = model.vocab_size();
+    if let Some(&id) = tokens.iter().chain(&bos).find(|&&id| id as usize >= vocab) {
+        return Err(EngineError::Invalid(format!(
+            "token id {id} is outside the model's vocabulary of {vocab}"
+        )));
+    }
     let reference = KvScheme::parse("bf16")?;
     // The bf16 reference runs first; schemes equal to it reuse its logits.
     let mut runs: Vec<KvScheme> = vec![reference.clone()];
@@ -97,6 +112,15 @@ pub fn evaluate(
             if ctx < 4 {
                 return Err(EngineError::Invalid("--ctx must be at least 4".into()));
             }
+            if ctx > model.context_length() {
+                return Err(EngineError::Invalid(format!(
+                    "--ctx {ctx} is longer than the model's context of {}",
+                    model.context_length()
+                )));
+            }
+            if chunks == Some(0) {
+                return Err(EngineError::Invalid("--chunks must be at least 1".into()));
+            }
             let available = tokens.len() / ctx;
             let n_chunks = chunks.map_or(available, |c| c.min(available));
             if n_chunks == 0 {
@@ -108,7 +132,9 @@ pub fn evaluate(
             let half = ctx / 2;
             for c in 0..n_chunks {
                 let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
-                chunk[0] = bos;
+                if let Some(bos) = bos {
+                    chunk[0] = bos;
+                }
                 let mut ref_lp: Vec<Vec<f64>> = Vec::new();
                 for (r, scheme) in runs.iter().enumerate() {
                     let mut session = Session::new(model, scheme, ctx)?;
@@ -135,10 +161,19 @@ pub fn evaluate(
                     "--prefill and --tokens must be at least 1".into(),
                 ));
             }
-            if tokens.len() < prefill + count {
+            // Saturating: a huge --tokens must not wrap around to a small need.
+            let need = prefill.saturating_add(count);
+            if tokens.len() < need {
                 return Err(EngineError::TextTooShort {
                     have: tokens.len(),
-                    need: prefill + count,
+                    need,
+                });
+            }
+            // The last scored token is predicted, not fed.
+            if need - 1 > model.context_length() {
+                return Err(EngineError::PromptTooLong {
+                    prompt: need - 1,
+                    context: model.context_length(),
                 });
             }
             let mut sessions: Vec<Session> = runs

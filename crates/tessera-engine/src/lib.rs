@@ -5,8 +5,10 @@
 //! stop; [`generate_batch_greedy`] runs several prompts as one left-padded batch;
 //! [`eval`] measures perplexity and KL divergence per KV scheme; [`store`] fetches and
 //! verifies the default model.
+//! [`chat`] renders a model's Jinja chat template (or a built-in one) into a prompt.
 
 mod batch;
+pub mod chat;
 mod error;
 pub mod eval;
 mod generate;

@@ -71,9 +71,9 @@ impl<'m> Session<'m> {
             });
         }
         let start = Instant::now();
-        let mut last = None;
+        let mut last = Vec::new();
         for chunk in tokens.chunks(self.prefill_chunk) {
-            last = Some(self.forward(chunk, LogitsMode::Last)?);
+            last = self.forward(chunk, LogitsMode::Last)?;
         }
         if tokens.len() > 1 {
             self.prefill_time += start.elapsed();
@@ -82,12 +82,29 @@ impl<'m> Session<'m> {
             self.decode_time += start.elapsed();
             self.decode_tokens += 1;
         }
-        Ok(last.expect("at least one chunk"))
+        Ok(last)
     }
 
     /// Feeds one chunk as one append and returns its logits (last or all positions),
     /// flattened row-major `(positions, vocab)`.
+    /// Refuses an empty chunk, one that would overflow the model's context, and ids outside
+    /// the model's vocabulary.
     pub fn forward(&mut self, chunk: &[u32], mode: LogitsMode) -> Result<Vec<f32>, EngineError> {
+        if chunk.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if chunk.len() > self.context_left() {
+            return Err(EngineError::PromptTooLong {
+                prompt: self.tokens.len() + chunk.len(),
+                context: self.model.context_length(),
+            });
+        }
+        let vocab = self.model.vocab_size();
+        if let Some(&id) = chunk.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::Invalid(format!(
+                "token id {id} is outside the model's vocabulary of {vocab}"
+            )));
+        }
         let ids = Tensor::from_slice(chunk, (1, chunk.len()), self.model.device())?;
         let logits = self.model.forward(&ids, &mut self.cache, mode)?;
         self.tokens.extend_from_slice(chunk);

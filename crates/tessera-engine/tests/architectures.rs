@@ -105,3 +105,32 @@ fn llama_matches_candle_quantized_llama() {
 fn qwen3_matches_candle_quantized_qwen3() {
     compare("qwen3");
 }
+
+#[test]
+fn empty_chunks_and_ids_outside_the_vocabulary_are_errors() {
+    let dir = std::env::temp_dir().join(format!("tessera-arch-{}-ids", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny.gguf");
+    let shape = preset("llama", "tiny").unwrap();
+    write_model(&shape, parse_dtype("f32").unwrap(), 3, &path).unwrap();
+    let (model, _) = Model::load(&path, &LoadOptions::default(), &Device::Cpu).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let vocab = model.vocab_size() as u32;
+    let mut session = Session::new(&model, &KvScheme::parse("f32").unwrap(), 16).unwrap();
+    let err = session.forward(&[], LogitsMode::Last).unwrap_err();
+    assert!(
+        matches!(err, tessera_engine::EngineError::EmptyPrompt),
+        "{err}"
+    );
+    let err = session.forward(&[2, vocab], LogitsMode::Last).unwrap_err();
+    assert!(
+        err.to_string().contains(&format!(
+            "token id {vocab} is outside the model's vocabulary"
+        )),
+        "{err}"
+    );
+    // Refused before anything is appended: the session still works.
+    assert!(session.tokens().is_empty());
+    session.forward(&[2, 5], LogitsMode::Last).unwrap();
+    assert_eq!(session.tokens(), [2, 5]);
+}

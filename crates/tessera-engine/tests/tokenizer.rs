@@ -54,3 +54,36 @@ fn chat_markers_are_single_control_tokens() {
     assert_eq!(special.bos, Some(2));
     assert_eq!(special.eos, 1);
 }
+
+#[test]
+fn streamed_text_holds_a_character_split_over_byte_tokens() {
+    use tessera_engine::TextStream;
+    let (_, tok) = common::load(true);
+    // U+10FFFF is in no vocabulary: it falls back to its four UTF-8 bytes.
+    let text = "Ab \u{10FFFF} cd";
+    let ids = tok.encode(text, false).unwrap();
+    let bytes = ["<0xF4>", "<0x8F>", "<0xBF>", "<0xBF>"].map(|t| tok.token_id(t).unwrap());
+    let at = ids
+        .windows(4)
+        .position(|w| w == bytes)
+        .unwrap_or_else(|| panic!("no byte-fallback tokens in {ids:?}"));
+    let mut stream = TextStream::new();
+    let pieces: Vec<String> = ids
+        .iter()
+        .map(|&id| stream.push(&tok, id).unwrap())
+        .collect();
+    assert_eq!(pieces.concat() + &stream.finish(), text);
+    // Nothing shows until the character's last byte, then all of it.
+    assert_eq!(pieces[at..at + 3], ["", "", ""], "{pieces:?}");
+    assert!(pieces[at + 3].starts_with('\u{10FFFF}'), "{pieces:?}");
+    assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+    // Generation stopping inside the character: what is held comes out at the end.
+    let mut stream = TextStream::new();
+    let shown: String = ids[..at + 2]
+        .iter()
+        .map(|&id| stream.push(&tok, id).unwrap())
+        .collect();
+    let rest = stream.finish();
+    assert!(rest.contains('\u{FFFD}'), "{rest:?}");
+    assert_eq!(shown + &rest, tok.decode(&ids[..at + 2]).unwrap());
+}

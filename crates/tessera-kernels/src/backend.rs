@@ -115,7 +115,7 @@ impl CudaBackend {
     }
 
     fn kernels(&self, device: &CudaDevice) -> anyhow::Result<Arc<Kernels>> {
-        let mut slot = self.kernels.lock().unwrap();
+        let mut slot = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = slot.as_ref() {
             if k.device.same_device(device) {
                 return Ok(k.clone());
@@ -749,7 +749,7 @@ impl CudaPlanes {
             let qs = qs.slice(offset..);
             let read = &k.read;
             let plan = read.plan(None, planes, g, max_len)?;
-            let mut scratch = k.scratch.lock().unwrap();
+            let mut scratch = k.scratch.lock().unwrap_or_else(|e| e.into_inner());
             if !scratch.as_ref().is_some_and(|s| s.fits(&plan, planes, g)) {
                 *scratch = Some(read.scratch(&plan, planes, g)?);
             }

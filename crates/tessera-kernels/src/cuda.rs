@@ -292,7 +292,7 @@ impl DecodeRead {
         if ![64, 128, 256].contains(&d) || !(1..=8).contains(&g) {
             bail!("decode read: head dim {d} / {g} query heads per KV head not supported");
         }
-        let mut map = self.compiled.lock().unwrap();
+        let mut map = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = map.get(&(codec, d, g)) {
             return Ok(k.clone());
         }

@@ -202,13 +202,12 @@ impl Codebook {
     }
 }
 
+type Books = std::sync::Mutex<std::collections::HashMap<(usize, u8), Codebook>>;
+
 /// The process-wide cache behind [`Codebook::shared`].
-fn shared_books() -> &'static std::sync::Mutex<std::collections::HashMap<(usize, u8), Codebook>>
-{
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    static BOOKS: OnceLock<Mutex<HashMap<(usize, u8), Codebook>>> = OnceLock::new();
-    BOOKS.get_or_init(|| Mutex::new(HashMap::new()))
+fn shared_books() -> &'static Books {
+    static BOOKS: std::sync::OnceLock<Books> = std::sync::OnceLock::new();
+    BOOKS.get_or_init(Books::default)
 }
 
 #[cfg(test)]

@@ -1,5 +1,9 @@
 //! Parity of the CUDA KV backend against the CPU cache, run on the device:
-//! `kv-cache-parity` exits nonzero on any failure.
+//! `kv-cache-parity [--plant-failure]`. Every comparison counts: the last line is
+//! "kv-cache-parity: N passed, M failed", and the exit status is 1 on any failure (a part
+//! that stops with an error counts as one failed check and the others still run).
+//! `--plant-failure` perturbs one GPU output (the first cache read's) before it is
+//! compared, to show that a miss is reported and fails the run.
 //! - encode: random rows written into the device planes (encode kernel) and into
 //!   tessera-kv's CPU `AffinePlanes`, read back (decode kernel / CPU read): equal bit for
 //!   bit, for affine 4 and 8 bits with groups 32, 64 and 128; the same for TurboQuant rows
@@ -21,6 +25,25 @@ use tessera_kv::turbo_planes::TurboPlanes;
 use tessera_kv::{
     AttentionCache, Codec, KvCache, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep,
 };
+
+/// Every comparison's outcome.
+#[derive(Default)]
+struct Tally {
+    passed: usize,
+    failed: usize,
+    /// `--plant-failure`: perturb the next compared cache read (then cleared).
+    plant: bool,
+}
+
+impl Tally {
+    fn record(&mut self, ok: bool) {
+        if ok {
+            self.passed += 1;
+        } else {
+            self.failed += 1;
+        }
+    }
+}
 
 fn random(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
     let n: usize = shape.iter().product();
@@ -59,7 +82,7 @@ fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok((num / den.max(1e-30)).sqrt())
 }
 
-fn encode_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
+fn encode_parity(gpu: &Device, tally: &mut Tally) -> Result<()> {
     let backend = tessera_kernels::backend::CudaBackend::new();
     for (bits, group) in [(4u8, 32u16), (4, 64), (4, 128), (8, 64), (8, 128)] {
         for d in [128usize, 256] {
@@ -87,9 +110,7 @@ fn encode_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
                 "encode affine:{bits}:{group} d={d}: {}",
                 if ok { "bit-identical" } else { "MISMATCH" }
             );
-            if !ok {
-                *failures += 1;
-            }
+            tally.record(ok);
         }
     }
     Ok(())
@@ -125,7 +146,7 @@ fn write_twice(
     Ok(dev.read(5, n)?)
 }
 
-fn turbo_encode_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
+fn turbo_encode_parity(gpu: &Device, tally: &mut Tally) -> Result<()> {
     let backend = tessera_kernels::backend::CudaBackend::new();
     let none = TurboPrep {
         key_mean: false,
@@ -174,14 +195,12 @@ fn turbo_encode_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
                 )
             }
         );
-        if !ok {
-            *failures += 1;
-        }
+        tally.record(ok);
     }
     Ok(())
 }
 
-fn cache_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
+fn cache_parity(gpu: &Device, tally: &mut Tally) -> Result<()> {
     let specs = [
         LayerSpec {
             kv_heads: 2,
@@ -255,7 +274,19 @@ fn cache_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
                     let read = dev
                         .layer_mut(l)
                         .append_window(&k.to_device(gpu)?, &v.to_device(gpu)?)?;
-                    let got = read.attend(&q.to_device(gpu)?, scale)?;
+                    let mut got = read.attend(&q.to_device(gpu)?, scale)?;
+                    if std::mem::take(&mut tally.plant) {
+                        // One element off by 1 (the outputs are averages of values in
+                        // [-8, 8]): every tolerance here must catch it.
+                        let mut v: Vec<f32> = got
+                            .to_dtype(DType::F32)?
+                            .to_device(&Device::Cpu)?
+                            .flatten_all()?
+                            .to_vec1()?;
+                        v[0] += 1.0;
+                        println!("planted failure: first output of cache {codec} start {start} layer {l} off by 1");
+                        got = Tensor::from_vec(v, got.dims(), gpu)?.to_dtype(got.dtype())?;
+                    }
                     let err = rel_err(&got.to_device(&Device::Cpu)?, &want)?;
                     let w = &mut worst[usize::from(n > 1)];
                     *w = w.max(err);
@@ -281,23 +312,22 @@ fn cache_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
                 worst[1],
                 if ok { "ok" } else { "FAIL" }
             );
-            if !ok {
-                *failures += 1;
-            }
+            tally.record(ok);
             // The device keeps a turbo row's f16 norm in a 32-bit word: 2 bytes more per
             // stored vector (keys and values, 2 rows).
             let padding: usize = match codec {
                 Codec::Turbo { .. } => specs.iter().map(|s| 2 * 2 * 2 * s.kv_heads).sum(),
                 _ => 0,
             };
-            if cpu.bytes_per_token() + padding != dev.bytes_per_token() {
+            let same_size = cpu.bytes_per_token() + padding == dev.bytes_per_token();
+            if !same_size {
                 println!(
-                    "bytes/token differ: cpu {} gpu {}",
+                    "cache {codec} start {start}: bytes/token differ: cpu {} gpu {}: FAIL",
                     cpu.bytes_per_token(),
                     dev.bytes_per_token()
                 );
-                *failures += 1;
             }
+            tally.record(same_size);
         }
     }
     // An unsupported codec is refused on first use with its name.
@@ -305,25 +335,60 @@ fn cache_parity(gpu: &Device, failures: &mut usize) -> Result<()> {
     let mut dev = KvCache::new(&specs[..1], &scheme, vec![0])?;
     let k = random(&[1, 2, 3, 128], 1, gpu)?;
     match dev.layer_mut(0).append_window(&k, &k) {
-        Err(e) => println!("affine:2 on cuda refused: {e}"),
+        Err(e) => {
+            println!("affine:2 on cuda refused: {e}");
+            tally.record(true);
+        }
         Ok(_) => {
             println!("affine:2 on cuda was accepted: FAIL");
-            *failures += 1;
+            tally.record(false);
         }
     }
     Ok(())
 }
 
-fn main() -> Result<()> {
-    tessera_kernels::backend::install();
-    let gpu = Device::new_cuda(0)?;
-    let mut failures = 0;
-    encode_parity(&gpu, &mut failures)?;
-    turbo_encode_parity(&gpu, &mut failures)?;
-    cache_parity(&gpu, &mut failures)?;
-    if failures > 0 {
-        bail!("{failures} parity failures");
+fn main() {
+    let mut tally = Tally::default();
+    for arg in std::env::args().skip(1) {
+        match arg.as_str() {
+            "--plant-failure" => tally.plant = true,
+            _ => {
+                eprintln!("kv-cache-parity: unknown argument {arg:?} (usage: kv-cache-parity [--plant-failure])");
+                std::process::exit(2);
+            }
+        }
     }
-    println!("kv-cache-parity: all passed");
-    Ok(())
+    tessera_kernels::backend::install();
+    let gpu = match Device::new_cuda(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("kv-cache-parity: no CUDA device: {e}");
+            println!("kv-cache-parity: 0 passed, 1 failed");
+            std::process::exit(1);
+        }
+    };
+    type Part = fn(&Device, &mut Tally) -> Result<()>;
+    let parts: [(&str, Part); 3] = [
+        ("encode", encode_parity),
+        ("turbo encode", turbo_encode_parity),
+        ("cache", cache_parity),
+    ];
+    for (name, part) in parts {
+        // A part that stops on an error is one failed check; the other parts still run.
+        if let Err(e) = part(&gpu, &mut tally) {
+            println!("{name} parity stopped with an error: {e:#}: FAIL");
+            tally.record(false);
+        }
+    }
+    if tally.plant {
+        println!("--plant-failure: no cache read was compared to perturb: FAIL");
+        tally.record(false);
+    }
+    println!(
+        "kv-cache-parity: {} passed, {} failed",
+        tally.passed, tally.failed
+    );
+    if tally.failed > 0 || tally.passed == 0 {
+        std::process::exit(1);
+    }
 }

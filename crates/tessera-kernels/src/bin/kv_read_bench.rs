@@ -1,6 +1,10 @@
 //! Parity and speed of the GPU decode read, in one device run:
-//! `kv-read-bench [parity] [copy] [time] [chunk] [+FILTER ...]` (all parts by default; only
-//! reads whose label contains every FILTER, e.g. `+affine:4:64 "+(32,8,128) b16"`, are timed).
+//! `kv-read-bench [parity] [copy] [time] [chunk] [+FILTER ...] [--plant-failure]` (all parts
+//! by default; only reads whose label contains every FILTER, e.g. `+affine:4:64
+//! "+(32,8,128) b16"`, are timed). Every parity comparison counts: the last line is
+//! "kv-read-bench: N passed, M failed" and the exit status is 1 on any failure (a part that
+//! stops with an error counts as one failed check; the other parts still run).
+//! `--plant-failure` perturbs the first compared output, to show a miss fails the run.
 //! - parity: random keys/values stored by the CPU cache's own codecs (bf16 rounding,
 //!   tessera-kv's affine quantizer), uploaded as stored, read on the GPU with left padding
 //!   and ragged lengths, compared with attention in f64 on the host over the same stored
@@ -22,6 +26,36 @@ use candle_core::{Device, Tensor};
 use half::{bf16, f16};
 use tessera_kernels::cuda::{DecodeRead, GpuCodec, GpuPlanes, Variant};
 use tessera_kv::affine_planes::AffinePlanes;
+
+/// Every parity comparison's outcome.
+#[derive(Default)]
+struct Tally {
+    passed: usize,
+    failed: usize,
+    /// `--plant-failure`: perturb the next compared output (then cleared).
+    plant: bool,
+}
+
+impl Tally {
+    /// Records `rel <= bound` (false for NaN), printing a miss.
+    fn check(&mut self, name: &str, rel: f64, bound: f64) {
+        if rel <= bound {
+            self.passed += 1;
+        } else {
+            println!("{name}: relative error {rel:.3e} over {bound:e}: FAIL");
+            self.failed += 1;
+        }
+    }
+
+    /// `--plant-failure`: one element of `out` off by 1 (outputs are averages of values in
+    /// [-6, 6]), once.
+    fn maybe_plant(&mut self, out: &mut [f32], name: &str) {
+        if std::mem::take(&mut self.plant) {
+            out[0] += 1.0;
+            println!("planted failure: first output of {name} off by 1");
+        }
+    }
+}
 
 fn lcg(s: &mut u64) -> f32 {
     *s = s
@@ -116,10 +150,15 @@ fn reference(
     out
 }
 
-/// ‖got − want‖ / ‖want‖, after checking every output was written and is finite.
+/// ‖got − want‖ / ‖want‖, after checking every output was written and is finite
+/// (infinite if not).
 fn rel_err(got: &[f32], want: &[f64], name: &str) -> Result<f64> {
+    if got.len() != want.len() {
+        bail!("{name}: {} outputs, expected {}", got.len(), want.len());
+    }
     if got.iter().any(|x| !x.is_finite()) {
-        bail!("{name}: unwritten or non-finite output");
+        println!("{name}: unwritten or non-finite output");
+        return Ok(f64::INFINITY);
     }
     let num: f64 = got
         .iter()
@@ -142,7 +181,7 @@ const AFFINE_CODECS: [GpuCodec; 4] = [
     GpuCodec::Affine { bits: 8, group: 32 },
 ];
 
-fn parity(gpu: &DecodeRead) -> Result<()> {
+fn parity(gpu: &DecodeRead, tally: &mut Tally) -> Result<()> {
     let mut seed = 0x1234_5678u64;
     let mut worst = 0f64;
     for codec in std::iter::once(GpuCodec::Bf16).chain(AFFINE_CODECS) {
@@ -211,7 +250,9 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
                     &mut out,
                 )?;
                 let name = format!("{} {variant:?} ({qh},{kvh},{d})", codec.name());
-                let rel = rel_err(&s.clone_dtoh(&out)?, &want, &name)?;
+                let mut got = s.clone_dtoh(&out)?;
+                tally.maybe_plant(&mut got, &name);
+                let rel = rel_err(&got, &want, &name)?;
                 // f32 arithmetic lands far under 1e-3; bf16 operands (the tensor cores take
                 // q and the softmax weights in bf16, as SDPA does) between 1e-3 and 1e-2.
                 let bound = if variant == Variant::Simt { 1e-3 } else { 1e-2 };
@@ -220,13 +261,11 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
                     "parity {name} b{b} n{n} splits {}: rel err {rel:.2e}",
                     plan.splits
                 );
-                if !(rel <= bound) {
-                    bail!("{name}: relative error {rel:.3e} over {bound:e}");
-                }
+                tally.check(&name, rel, bound);
             }
         }
     }
-    println!("parity: all passed, worst relative error {worst:.2e}");
+    println!("parity: done, worst relative error {worst:.2e}");
     Ok(())
 }
 
@@ -234,7 +273,7 @@ fn parity(gpu: &DecodeRead) -> Result<()> {
 /// r (position start + i) sees slots pads[r] ..= start + i, or only itself while it is
 /// padding. Few queries over a long span take several splits (partials and the merge),
 /// many take one (the block writes the output).
-fn chunk_parity(gpu: &DecodeRead) -> Result<()> {
+fn chunk_parity(gpu: &DecodeRead, tally: &mut Tally) -> Result<()> {
     let mut seed = 0x9876_5432u64;
     let mut worst = 0f64;
     for codec in std::iter::once(GpuCodec::Bf16).chain(AFFINE_CODECS) {
@@ -286,16 +325,16 @@ fn chunk_parity(gpu: &DecodeRead) -> Result<()> {
                     "chunk {} ({qh},{kvh},{d}) start {start} n {n}",
                     codec.name()
                 );
-                let rel = rel_err(&s.clone_dtoh(&out)?, &want, &name)?;
+                let mut got = s.clone_dtoh(&out)?;
+                tally.maybe_plant(&mut got, &name);
+                let rel = rel_err(&got, &want, &name)?;
                 worst = worst.max(rel);
                 println!("parity {name}: rel err {rel:.2e}");
-                if !(rel <= bound) {
-                    bail!("{name}: relative error {rel:.3e} over {bound:e}");
-                }
+                tally.check(&name, rel, bound);
             }
         }
     }
-    println!("chunk parity: all passed, worst relative error {worst:.2e}");
+    println!("chunk parity: done, worst relative error {worst:.2e}");
     Ok(())
 }
 
@@ -452,28 +491,80 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
+fn main() {
     // Words name the parts to run; `+TEXT` arguments filter the timed reads by label.
-    let all: Vec<String> = std::env::args().skip(1).collect();
+    let mut tally = Tally::default();
+    let all: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| {
+            let plant = a == "--plant-failure";
+            tally.plant |= plant;
+            !plant
+        })
+        .collect();
     let (filters, args): (Vec<String>, Vec<String>) =
         all.into_iter().partition(|a| a.starts_with('+'));
     let filters: Vec<String> = filters.iter().map(|f| f[1..].to_string()).collect();
-    let want = |w: &str| args.is_empty() || args.iter().any(|a| a == w);
-    let gpu = DecodeRead::new(0)?;
-    if want("parity") {
-        parity(&gpu)?;
+    const PARTS: [&str; 4] = ["parity", "copy", "time", "chunk"];
+    if let Some(bad) = args.iter().find(|a| !PARTS.contains(&a.as_str())) {
+        eprintln!(
+            "kv-read-bench: unknown part {bad:?} (parts: {}; +FILTER; --plant-failure)",
+            PARTS.join(", ")
+        );
+        std::process::exit(2);
     }
-    let copy = if want("copy") || want("time") {
-        copy_bandwidth(&gpu)?
-    } else {
-        0.0
+    let want = |w: &str| args.is_empty() || args.iter().any(|a| a == w);
+    let checks = want("parity") || want("chunk");
+    let summary = |tally: &Tally| {
+        if checks {
+            println!(
+                "kv-read-bench: {} passed, {} failed",
+                tally.passed, tally.failed
+            );
+        }
+        if tally.failed > 0 || (checks && tally.passed == 0) {
+            std::process::exit(1);
+        }
     };
-    if want("time") {
-        time_reads(&gpu, copy, &filters)?;
+    let gpu = match DecodeRead::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("kv-read-bench: no CUDA device: {e:#}");
+            tally.failed += 1;
+            summary(&tally);
+            unreachable!();
+        }
+    };
+    // A part that stops on an error is one failed check; the other parts still run.
+    let part = |name: &str, r: Result<()>, tally: &mut Tally| {
+        if let Err(e) = r {
+            println!("{name} stopped with an error: {e:#}: FAIL");
+            tally.failed += 1;
+        }
+    };
+    if want("parity") {
+        let r = parity(&gpu, &mut tally);
+        part("parity", r, &mut tally);
+    }
+    if want("copy") || want("time") {
+        match copy_bandwidth(&gpu) {
+            Ok(copy) if want("time") => {
+                let r = time_reads(&gpu, copy, &filters);
+                part("time", r, &mut tally);
+            }
+            Ok(_) => {}
+            Err(e) => part("copy", Err(e), &mut tally),
+        }
     }
     if want("chunk") {
-        chunk_parity(&gpu)?;
-        time_chunks(&gpu)?;
+        let r = chunk_parity(&gpu, &mut tally);
+        part("chunk parity", r, &mut tally);
+        let r = time_chunks(&gpu);
+        part("chunk timing", r, &mut tally);
     }
-    Ok(())
+    if std::mem::take(&mut tally.plant) && checks {
+        println!("--plant-failure: no output was compared to perturb: FAIL");
+        tally.failed += 1;
+    }
+    summary(&tally);
 }
