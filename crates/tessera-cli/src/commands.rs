@@ -8,14 +8,18 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+use tessera_engine::chat::{ChatTemplate, Message, TemplateOrigin};
 use tessera_engine::eval::{evaluate, EvalMode};
 use tessera_engine::store::{self, FetchEvent};
-use tessera_engine::{Generation, SamplerConfig, Session, TextStream};
+use tessera_engine::{Generation, SamplerConfig, Session, StopReason, TextStream};
 use tessera_kv::KvScheme;
 use tessera_models::{GgufFile, LoadOptions, Model, Tokenizer};
 
-fn fetch_with_progress(force: bool) -> Result<PathBuf> {
-    let bar = ProgressBar::new(store::DEFAULT_MODEL_BYTES);
+/// Runs `f` with a progress callback that draws a bar on stderr (steps as lines above it).
+fn with_progress<T>(
+    f: impl FnOnce(&mut dyn FnMut(FetchEvent)) -> Result<T, tessera_engine::EngineError>,
+) -> Result<T> {
+    let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes}")
             .unwrap()
@@ -24,25 +28,25 @@ fn fetch_with_progress(force: bool) -> Result<PathBuf> {
     bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
     let mut progress = |e: FetchEvent| match e {
         FetchEvent::Step(s) => bar.println(format!("tessera: {s}")),
-        FetchEvent::Bytes(done, _) => {
+        FetchEvent::Bytes(done, total) => {
             bar.set_message("assembling");
+            bar.set_length(total);
             bar.set_position(done)
         }
     };
-    let path = if force {
-        store::fetch_default_model(&mut progress)?
-    } else {
-        store::ensure_default_model(&mut progress)?
-    };
+    let result = f(&mut progress);
     bar.finish_and_clear();
-    Ok(path)
+    Ok(result?)
 }
 
+/// The model file `--model` names (a path, or a registry name fetched on first use), or
+/// the default model.
 pub fn model_path(args: &ModelArgs) -> Result<PathBuf> {
-    match &args.model {
-        Some(p) => Ok(p.clone()),
-        None => fetch_with_progress(false),
-    }
+    resolve_model(args.model.as_deref())
+}
+
+fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
+    with_progress(|p| store::resolve_model(arg, p))
 }
 
 /// The device `--device` names; for CUDA, with the KV backend installed.
@@ -124,14 +128,9 @@ fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
     if args.temperature < 0.0 || !args.temperature.is_finite() {
         bail!("--temperature must be a finite number ≥ 0");
     }
-    if args.top_k == Some(0) {
-        bail!("--top-k must be at least 1");
-    }
     for (name, v) in [("--top-p", args.top_p), ("--min-p", args.min_p)] {
-        if let Some(v) = v {
-            if !(0.0..=1.0).contains(&v) {
-                bail!("{name} must be between 0 and 1");
-            }
+        if !(0.0..=1.0).contains(&v) {
+            bail!("{name} must be between 0 and 1");
         }
     }
     if !(args.repetition_penalty > 0.0 && args.repetition_penalty.is_finite()) {
@@ -139,72 +138,73 @@ fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
     }
     Ok(SamplerConfig {
         temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
+        // llama.cpp's conventions: top-k 0, top-p 1 and min-p 0 are off.
+        top_k: (args.top_k > 0).then_some(args.top_k),
+        top_p: (args.top_p < 1.0).then_some(args.top_p),
+        min_p: (args.min_p > 0.0).then_some(args.min_p),
         repetition_penalty: args.repetition_penalty,
         seed: args.seed,
         ..Default::default()
     })
 }
 
+/// The vocabulary's end-of-sequence and end-of-turn ids.
 fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
     let s = tok.special();
     std::iter::once(s.eos).chain(s.end_of_turn).collect()
 }
 
-/// A built-in chat format, told apart by the vocabulary's turn tokens. What opens a user
-/// turn, starts the reply and closes a turn belongs to the template, so a renderer of the
-/// GGUF's own `tokenizer.chat_template` can take its place.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ChatFormat {
-    Gemma,
-    Llama3,
-    /// Qwen's.
-    ChatMl,
+/// The model file's chat template (`tokenizer.chat_template`), else the built-in format
+/// its vocabulary fits, announced once on stderr.
+fn chat_template(tok: &Tokenizer) -> Result<ChatTemplate> {
+    let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or_default();
+    let s = tok.special();
+    let template = ChatTemplate::from_gguf_or_builtin(
+        tok.chat_template(),
+        &text(s.bos),
+        &text(Some(s.eos)),
+        |t| tok.token_id(t).is_some(),
+    )?;
+    if template.origin() != TemplateOrigin::File {
+        eprintln!("tessera: using {}", template.origin());
+    }
+    Ok(template)
 }
 
-impl ChatFormat {
-    /// The format the vocabulary was trained with; `has_token` says whether a token with
-    /// that text exists.
-    pub fn detect(has_token: impl Fn(&str) -> bool) -> Result<ChatFormat> {
-        if has_token("<start_of_turn>") {
-            Ok(ChatFormat::Gemma)
-        } else if has_token("<|start_header_id|>") {
-            Ok(ChatFormat::Llama3)
-        } else if has_token("<|im_start|>") {
-            Ok(ChatFormat::ChatMl)
-        } else {
-            bail!(
-                "no chat format known for this vocabulary (Gemma, Llama 3 and ChatML turn tokens are)"
-            )
+/// What ends a chat reply: the vocabulary's EOS and EOT ids, and the token of the
+/// template's end-of-turn text where the vocabulary has one.
+fn chat_stop_tokens(tok: &Tokenizer, template: &ChatTemplate) -> Vec<u32> {
+    let mut ids = stop_tokens(tok);
+    if let Some(id) = template.end_of_turn().and_then(|t| tok.token_id(t.trim())) {
+        if !ids.contains(&id) {
+            ids.push(id);
         }
     }
+    ids
+}
 
-    pub fn of(tok: &Tokenizer) -> Result<ChatFormat> {
-        ChatFormat::detect(|t| tok.token_id(t).is_some())
-    }
-
-    /// The text that closes a turn, the user's or the model's.
-    pub fn end_of_turn(self) -> &'static str {
-        match self {
-            ChatFormat::Gemma => "<end_of_turn>\n",
-            ChatFormat::Llama3 => "<|eot_id|>",
-            ChatFormat::ChatMl => "<|im_end|>\n",
+/// The summary line's words for why generation stopped.
+fn stop_words(
+    reason: Option<StopReason>,
+    token: Option<u32>,
+    tok: &Tokenizer,
+    chat: bool,
+) -> String {
+    match reason {
+        Some(StopReason::MaxTokens) => "max tokens".into(),
+        Some(StopReason::ContextLimit) => "context full".into(),
+        Some(StopReason::EndToken) => {
+            let what = if !chat && token == Some(tok.special().eos) {
+                "end of text"
+            } else {
+                "end of turn"
+            };
+            match token.and_then(|t| tok.token_text(t)) {
+                Some(text) => format!("{what} {text}"),
+                None => what.into(),
+            }
         }
-    }
-
-    /// A user turn, closed, and the start of the reply.
-    pub fn user_turn(self, text: &str) -> String {
-        let (user, reply) = match self {
-            ChatFormat::Gemma => ("<start_of_turn>user\n", "<start_of_turn>model\n"),
-            ChatFormat::Llama3 => (
-                "<|start_header_id|>user<|end_header_id|>\n\n",
-                "<|start_header_id|>assistant<|end_header_id|>\n\n",
-            ),
-            ChatFormat::ChatMl => ("<|im_start|>user\n", "<|im_start|>assistant\n"),
-        };
-        format!("{user}{text}{}{reply}", self.end_of_turn())
+        None => "error".into(),
     }
 }
 
@@ -222,14 +222,16 @@ pub fn generate(
     let t0 = Instant::now();
     let (model, tok) = load(margs)?;
     let load_time = t0.elapsed();
-    let text = if chat_template {
-        ChatFormat::of(&tok)?.user_turn(prompt)
+    let (ids, stops) = if chat_template {
+        let template = self::chat_template(&tok)?;
+        let text = template.render(&[Message::user(prompt)], true)?;
+        // The rendered text carries its own BOS where the template wants one.
+        (tok.encode(&text, false)?, chat_stop_tokens(&tok, &template))
     } else {
-        prompt.to_string()
+        (tok.encode(prompt, true)?, stop_tokens(&tok))
     };
-    let ids = tok.encode(&text, true)?;
     let mut session = Session::new(&model, &scheme, prefill_chunk)?;
-    let mut gen = Generation::new(&mut session, &ids, sampler, max_tokens, stop_tokens(&tok))?;
+    let mut gen = Generation::new(&mut session, &ids, sampler, max_tokens, stops)?;
     let mut stream = TextStream::new();
     let mut out = std::io::stdout().lock();
     let mut produced = 0;
@@ -241,10 +243,10 @@ pub fn generate(
     }
     out.write_all(stream.finish().as_bytes())?;
     writeln!(out)?;
-    let reason = gen.stop_reason();
+    let reason = stop_words(gen.stop_reason(), gen.stop_token(), &tok, chat_template);
     let s = gen.session();
     eprintln!(
-        "[load {:.2} s | prompt {} tokens, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {:?} | kv {}]",
+        "[load {:.2} s | prompt {} tokens, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {} | kv {}]",
         load_time.as_secs_f64(),
         ids.len(),
         s.prefill_tokens.max(1) as f64 / s.prefill_time.as_secs_f64().max(1e-9),
@@ -254,6 +256,13 @@ pub fn generate(
         scheme,
     );
     Ok(())
+}
+
+/// How many leading tokens of `held` (what the cache holds) `next` (the new render)
+/// shares, short of all of `next`: at least one new token must be fed to get logits.
+fn reusable_prefix(held: &[u32], next: &[u32]) -> usize {
+    let common = held.iter().zip(next).take_while(|(a, b)| a == b).count();
+    common.min(next.len().saturating_sub(1))
 }
 
 pub fn chat(
@@ -266,8 +275,10 @@ pub fn chat(
     let scheme = scheme_of(kv)?;
     let sampler = sampler(sargs)?;
     let (model, tok) = load(margs)?;
-    let template = ChatFormat::of(&tok)?;
+    let template = chat_template(&tok)?;
+    let stops = chat_stop_tokens(&tok, &template);
     let mut session = Session::new(&model, &scheme, prefill_chunk)?;
+    let mut history: Vec<Message> = Vec::new();
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     eprintln!(
@@ -287,39 +298,56 @@ pub fn chat(
             "" => continue,
             "/quit" | "/exit" => return Ok(()),
             "/reset" => {
+                history.clear();
                 session = Session::new(&model, &scheme, prefill_chunk)?;
                 eprintln!("(conversation reset)");
                 continue;
             }
             _ => {}
         }
-        let first = session.tokens().is_empty();
-        let ids = tok.encode(&template.user_turn(line), first)?;
+        // Each turn renders the whole conversation; only what the cache lacks is fed.
+        history.push(Message::user(line));
+        let ids = match template.render(&history, true) {
+            Ok(text) => tok.encode(&text, false)?,
+            Err(e) => {
+                eprintln!("error: {e}");
+                history.pop();
+                continue;
+            }
+        };
+        let keep = reusable_prefix(session.tokens(), &ids);
+        let keep = if session.truncate(keep).is_ok() {
+            keep
+        } else {
+            // A wrapped sliding-window ring cannot drop positions: start the cache over.
+            session = Session::new(&model, &scheme, prefill_chunk)?;
+            0
+        };
         let mut gen = match Generation::new(
             &mut session,
-            &ids,
+            &ids[keep..],
             sampler.clone(),
             max_tokens,
-            stop_tokens(&tok),
+            stops.clone(),
         ) {
             Ok(g) => g,
             Err(e) => {
                 eprintln!("error: {e} (try /reset)");
+                history.pop();
                 continue;
             }
         };
         let mut stream = TextStream::new();
+        let mut reply = Vec::new();
         for t in gen.by_ref() {
-            let piece = stream.push(&tok, t?)?;
+            let t = t?;
+            reply.push(t);
+            let piece = stream.push(&tok, t)?;
             write!(out, "{piece}")?;
             out.flush()?;
         }
         writeln!(out, "{}", stream.finish())?;
-        // Close the model's turn so the next user turn follows the template.
-        let close = tok.encode(template.end_of_turn(), false)?;
-        if session.context_left() > close.len() {
-            session.feed(&close)?;
-        }
+        history.push(Message::assistant(tok.decode(&reply)?));
     }
 }
 
@@ -451,9 +479,47 @@ fn check_plot_path(path: &Path) -> Result<()> {
     }
 }
 
-pub fn fetch() -> Result<()> {
-    let path = fetch_with_progress(true)?;
+/// `tessera model fetch [NAME] [--force]`: a registry model (default: the default model).
+pub fn fetch(name: Option<&str>, force: bool) -> Result<()> {
+    let m = match name {
+        Some(n) => store::registry_model(n)?,
+        None => store::DEFAULT_MODEL,
+    };
+    let path = with_progress(|p| {
+        if force {
+            store::fetch_model(m, p)
+        } else {
+            store::ensure_model(m, p)
+        }
+    })?;
     println!("{}", path.display());
+    Ok(())
+}
+
+/// `tessera model list`: the registry, with sizes and what is in $TESSERA_HOME/models.
+pub fn list() -> Result<()> {
+    println!("{:<30} {:>9}  {:<11} FILE", "NAME", "SIZE", "STATUS");
+    for m in store::REGISTRY {
+        let status = if m.is_verified() {
+            "present"
+        } else if m.is_present() {
+            "unverified"
+        } else {
+            "absent"
+        };
+        let default = if std::ptr::eq(m, store::DEFAULT_MODEL) {
+            "  (default)"
+        } else {
+            ""
+        };
+        println!(
+            "{:<30} {:>6} MB  {:<11} {}{default}",
+            m.name,
+            m.bytes.div_ceil(1_000_000),
+            status,
+            m.path().display()
+        );
+    }
     Ok(())
 }
 
@@ -478,10 +544,7 @@ pub fn fetch_vocab(force: bool) -> Result<()> {
 }
 
 pub fn info(model: Option<&Path>) -> Result<()> {
-    let path = match model {
-        Some(p) => p.to_path_buf(),
-        None => fetch_with_progress(false)?,
-    };
+    let path = resolve_model(model)?;
     let g = GgufFile::open(&path)?;
     let arch = g.architecture()?;
     let key = |k: &str| format!("{arch}.{k}");
@@ -545,54 +608,17 @@ pub fn synth(arch: &str, preset: &str, out: &Path, dtype: &str, seed: u64) -> Re
 
 #[cfg(test)]
 mod tests {
-    use super::ChatFormat;
-
-    fn vocab(tokens: &'static [&'static str]) -> impl Fn(&str) -> bool {
-        move |t| tokens.contains(&t)
-    }
+    use super::reusable_prefix;
 
     #[test]
-    fn chat_templates_are_told_apart_by_turn_tokens() {
-        let detect = |tokens| ChatFormat::detect(vocab(tokens)).ok();
-        assert_eq!(
-            detect(&["<start_of_turn>", "<end_of_turn>"]),
-            Some(ChatFormat::Gemma)
-        );
-        assert_eq!(
-            detect(&["<|start_header_id|>", "<|eot_id|>"]),
-            Some(ChatFormat::Llama3)
-        );
-        assert_eq!(
-            detect(&["<|im_start|>", "<|im_end|>"]),
-            Some(ChatFormat::ChatMl)
-        );
-        assert_eq!(detect(&["<s>", "</s>"]), None);
-    }
-
-    #[test]
-    fn each_template_closes_turns_with_its_own_end_of_turn() {
-        // What `chat` feeds after each reply, so the next user turn follows the template.
-        let cases = [
-            (ChatFormat::Gemma, "<end_of_turn>\n"),
-            (ChatFormat::Llama3, "<|eot_id|>"),
-            (ChatFormat::ChatMl, "<|im_end|>\n"),
-        ];
-        for (template, close) in cases {
-            assert_eq!(template.end_of_turn(), close, "{template:?}");
-        }
-        // The same text closes the user's turn inside the template.
-        assert_eq!(
-            ChatFormat::Gemma.user_turn("Hi"),
-            "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
-        );
-        assert_eq!(
-            ChatFormat::Llama3.user_turn("Hi"),
-            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
-             <|start_header_id|>assistant<|end_header_id|>\n\n"
-        );
-        assert_eq!(
-            ChatFormat::ChatMl.user_turn("Hi"),
-            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-        );
+    fn a_chat_turn_reuses_the_prefix_the_cache_shares() {
+        // The cache: the previous prompt and reply; the new render adds a turn.
+        assert_eq!(reusable_prefix(&[1, 2, 3, 4], &[1, 2, 3, 4, 5, 6]), 4);
+        // The reply re-tokenized differently: back to where they part.
+        assert_eq!(reusable_prefix(&[1, 2, 3, 9], &[1, 2, 3, 4, 5]), 3);
+        // Always one token left to feed, even when the render is all cached.
+        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3]), 2);
+        assert_eq!(reusable_prefix(&[], &[1, 2]), 0);
+        assert_eq!(reusable_prefix(&[7], &[]), 0);
     }
 }

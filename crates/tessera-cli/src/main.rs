@@ -12,7 +12,7 @@ use std::path::PathBuf;
 #[command(
     name = "tessera",
     version,
-    about = "Tessera: LLM inference with composable KV caches (GGUF models, CPU)"
+    about = "Tessera: LLM inference with composable KV caches (GGUF models; CPU, or CUDA with --device cuda)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -22,8 +22,9 @@ struct Cli {
 /// Options every model-running command shares.
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file. Without it, the default model (Gemma 3 270M Q4_K_M) is used,
-    /// fetched from PyPI on first use into $TESSERA_HOME (default ~/.cache/tessera).
+    /// GGUF model file, or a built-in model's name (`tessera model list`; fetched from PyPI
+    /// on first use into $TESSERA_HOME/models, default ~/.cache/tessera). Without it, the
+    /// default model (Gemma 3 270M Q4_K_M).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Load Q5_0 weights as stored instead of re-encoding them (losslessly) to Q8_0.
@@ -43,7 +44,11 @@ pub struct ModelArgs {
 /// KV cache options.
 #[derive(Args, Clone)]
 pub struct KvArgs {
-    /// KV cache scheme: bf16, f16 or f32.
+    /// KV cache scheme: `bf16`, `f16`, `f32`; `affine:BITS[:GROUP]` (bits 2, 3, 4, 5, 6
+    /// or 8; group 32, 64 or 128, default 64); `turbo:K[:V][:nomean][:noscale]` (key and
+    /// value bits 2 to 8, V defaults to K; `nomean` / `noscale` turn off the key
+    /// preprocessing). Append `:global` to quantize full-attention layers only, keeping
+    /// sliding-window layers bf16 (e.g. `turbo:4:global`).
     #[arg(long, default_value = "bf16")]
     pub kv: String,
     /// Positions held in bf16 before a quantized scheme takes over (quantized_kv_start).
@@ -58,18 +63,19 @@ pub struct KvArgs {
 /// Sampling options.
 #[derive(Args, Clone)]
 pub struct SampleArgs {
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature; 0 is greedy (the filters below then do nothing).
+    /// The sampling defaults are llama.cpp's.
+    #[arg(long, default_value_t = 0.8)]
     pub temperature: f32,
-    /// Keep only the K most likely tokens.
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Keep the smallest set of tokens whose probability reaches P.
-    #[arg(long)]
-    pub top_p: Option<f32>,
-    /// Drop tokens less likely than P times the most likely one.
-    #[arg(long)]
-    pub min_p: Option<f32>,
+    /// Keep only the K most likely tokens (0 is off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1 is off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0 is off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
     /// Penalize tokens seen in the last 64 (1.0 is off).
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
@@ -104,7 +110,9 @@ enum Command {
         /// Prompt tokens per prefill chunk.
         #[arg(long, default_value_t = tessera_engine::DEFAULT_PREFILL_CHUNK)]
         prefill_chunk: usize,
-        /// Wrap the prompt in the model's chat turn format.
+        /// Render the prompt as one user message through the model's chat template (the
+        /// GGUF's `tokenizer.chat_template`, else a built-in format), and stop at the end
+        /// of the reply's turn.
         #[arg(long)]
         chat_template: bool,
     },
@@ -181,8 +189,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Fetch the default model or the test vocabularies, describe a model file, or write a
-    /// synthetic one.
+    /// List or fetch the built-in models, fetch the test vocabularies, describe a model
+    /// file, or write a synthetic one.
     Model {
         #[command(subcommand)]
         action: ModelAction,
@@ -191,8 +199,16 @@ enum Command {
 
 #[derive(Subcommand)]
 enum ModelAction {
-    /// Download, assemble and verify the default model now.
-    Fetch,
+    /// The built-in models (fetched from PyPI on first use), their sizes, and which are present.
+    List,
+    /// Download, assemble and verify a built-in model (skipped when present and verified).
+    Fetch {
+        /// A name from `tessera model list`; without it, the default model.
+        name: Option<String>,
+        /// Fetch again even if the file is present and verified.
+        #[arg(long)]
+        force: bool,
+    },
     /// Fetch llama.cpp's tokenizer test vocabularies into $TESSERA_HOME/vocab (the tests read them).
     ///
     /// ggml-vocab-*.gguf with their .inp / .out test files, from the llama-cpp-python sdist
@@ -210,11 +226,12 @@ enum ModelAction {
     /// Write a GGUF with random weights in a real architecture's shapes (for speed and
     /// memory at realistic sizes without downloads), e.g. `--preset gemma3-12b`.
     Synth {
-        /// gemma3, llama or qwen3.
+        /// gemma3, llama, qwen2 or qwen3.
         #[arg(long, default_value = "gemma3")]
         arch: String,
         /// gemma3: tiny, gemma3-270m, -1b, -4b, -12b, -27b; llama: tiny, llama3.2-1b,
-        /// llama3.2-3b, llama3-8b, llama3-70b; qwen3: tiny, qwen3-0.6b, -4b, -8b, -32b.
+        /// llama3.2-3b, llama3-8b, llama3-70b; qwen2: tiny, qwen2.5-0.5b, -1.5b, -7b;
+        /// qwen3: tiny, qwen3-0.6b, -4b, -8b, -32b.
         #[arg(long)]
         preset: String,
         #[arg(long)]
@@ -309,8 +326,11 @@ fn run(cli: Cli) -> Result<()> {
             json,
         ),
         Command::Model {
-            action: ModelAction::Fetch,
-        } => commands::fetch(),
+            action: ModelAction::List,
+        } => commands::list(),
+        Command::Model {
+            action: ModelAction::Fetch { name, force },
+        } => commands::fetch(name.as_deref(), force),
         Command::Model {
             action: ModelAction::FetchVocab { force },
         } => commands::fetch_vocab(force),

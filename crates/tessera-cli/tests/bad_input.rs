@@ -202,6 +202,9 @@ fn generate_streams_text_and_reports_timing() {
         "The capital of France is",
         "--max-tokens",
         "8",
+        // Sampling is on by default (llama.cpp's settings); the pinned tokens are greedy.
+        "--temperature",
+        "0",
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("tok/s"), "{err}");

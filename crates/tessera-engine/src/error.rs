@@ -14,7 +14,7 @@ pub enum EngineError {
     #[error("invalid setting: {0}")]
     Invalid(String),
 
-    #[error("default model: {0}")]
+    #[error("{0}")]
     Fetch(String),
 
     /// A chat template that does not parse, fails to render, or calls

@@ -24,6 +24,7 @@ pub struct Generation<'s, 'm> {
     logits: Option<Vec<f32>>,
     pending: Option<u32>,
     stop: Option<StopReason>,
+    stop_token: Option<u32>,
 }
 
 impl<'s, 'm> Generation<'s, 'm> {
@@ -45,11 +46,17 @@ impl<'s, 'm> Generation<'s, 'm> {
             logits: Some(logits),
             pending: None,
             stop: None,
+            stop_token: None,
         })
     }
 
     pub fn stop_reason(&self) -> Option<StopReason> {
         self.stop
+    }
+
+    /// The stop token that ended generation, when [`StopReason::EndToken`] did.
+    pub fn stop_token(&self) -> Option<u32> {
+        self.stop_token
     }
 
     pub fn session(&self) -> &Session<'m> {
@@ -76,6 +83,7 @@ impl<'s, 'm> Generation<'s, 'm> {
         let token = self.sampler.sample(&logits, self.session.tokens());
         if self.stop_tokens.contains(&token) {
             self.stop = Some(StopReason::EndToken);
+            self.stop_token = Some(token);
             return Ok(None);
         }
         self.produced += 1;

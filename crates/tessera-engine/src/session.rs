@@ -52,6 +52,18 @@ impl<'m> Session<'m> {
         &self.cache
     }
 
+    /// Drops every position after the first `len`, so the next feed continues from there
+    /// (a chat turn reusing the prefix it shares with the cache). Refused, the session left
+    /// unchanged, when the cache cannot drop them: a sliding-window ring that has wrapped.
+    pub fn truncate(&mut self, len: usize) -> Result<(), EngineError> {
+        if len >= self.tokens.len() {
+            return Ok(());
+        }
+        self.cache.trim(self.tokens.len() - len)?;
+        self.tokens.truncate(len);
+        Ok(())
+    }
+
     pub fn context_left(&self) -> usize {
         self.model
             .context_length()

@@ -13,6 +13,12 @@
 //! little-endian stream of u32 words; a group of `g` elements fills exactly `g · bits / 32`
 //! words, so codes of 3, 5 and 6 bits may straddle two words.
 //!
+//! Which mlx: this is the arithmetic of mlx's Metal kernel (what mlx-lm runs on Apple GPUs).
+//! mlx's CPU backend (0.32) differs in two places, both checked against mlx's own codes in
+//! `tests/mlx_affine.rs`: it starts the running maximum at −∞ (so a group whose elements are
+//! all negative gets another scale) and rounds with `rint` (ties to even, for codes and
+//! `q0`). Everything else — layout, snapping, eps, clamping, dequantization — is bit-exact.
+//!
 //! This module is the codec's arithmetic only; the layer cache that stores affine planes
 //! builds on it.
 

@@ -46,6 +46,8 @@ pub struct Tokenizer {
     inner: HfTokenizer,
     special: SpecialTokens,
     vocab_size: usize,
+    /// The file's Jinja chat template (`tokenizer.chat_template`), if it has one.
+    chat_template: Option<String>,
 }
 
 fn tokenizer_error(e: impl std::fmt::Display) -> ModelError {
@@ -177,10 +179,15 @@ impl Tokenizer {
             let add_space_prefix = gguf.bool_or("tokenizer.ggml.add_space_prefix", true);
             build(&tokens, &scores, &types, add_space_prefix)?
         };
+        let chat_template = match gguf.get("tokenizer.chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            _ => None,
+        };
         Ok(Tokenizer {
             inner,
             special,
             vocab_size: tokens.len(),
+            chat_template,
         })
     }
 
@@ -190,6 +197,11 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// The file's Jinja chat template (`tokenizer.chat_template`), if it has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
     }
 
     /// Token ids of `text`, with BOS first when `with_bos` and the vocabulary asks for it.
