@@ -229,14 +229,16 @@ enum ModelAction {
         /// gemma3, llama, qwen2 or qwen3.
         #[arg(long, default_value = "gemma3")]
         arch: String,
-        /// gemma3: tiny, gemma3-270m, -1b, -4b, -12b, -27b; llama: tiny, llama3.2-1b,
-        /// llama3.2-3b, llama3-8b, llama3-70b; qwen2: tiny, qwen2.5-0.5b, -1.5b, -7b;
-        /// qwen3: tiny, qwen3-0.6b, -4b, -8b, -32b.
+        /// gemma3: tiny, gemma3-270m, -1b, -4b, -12b, -27b; llama: tiny, tiny-256,
+        /// llama3.2-1b, llama3.2-3b, llama3-8b, llama3-70b; qwen2: tiny, tiny-256,
+        /// qwen2.5-0.5b, -1.5b, -7b; qwen3: tiny, qwen3-0.6b, -4b, -8b, -32b. (`tiny-256`:
+        /// every width a multiple of 256, as the K-quant types need.)
         #[arg(long)]
         preset: String,
         #[arg(long)]
         out: PathBuf,
-        /// Weight type: q8_0, q4_0, f16 or f32.
+        /// Weight type: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k
+        /// or q6_k.
         #[arg(long, default_value = "q8_0")]
         dtype: String,
         #[arg(long, default_value_t = 0)]

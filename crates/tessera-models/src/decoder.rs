@@ -718,16 +718,16 @@ impl Decoder {
             });
         }
         let final_norm = norm(g, "output_norm.weight".into(), c.hidden)?;
-        // Tied output layer unless the file carries its own.
+        // Tied output layer unless the file carries its own. A tied Q5_0 table is
+        // re-encoded like every other matrix, so the largest matmul runs the Q8_0 kernel and
+        // lookups read its rows (no second copy of the table).
         let tied = !g.has_tensor("output.weight");
-        let output = if tied {
-            as_matmul(
-                g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?,
-                options,
-            )?
+        let output_name = if tied {
+            "token_embd.weight"
         } else {
-            matrix(g, "output.weight".into(), c.vocab, c.hidden)?
+            "output.weight"
         };
+        let output = matrix(g, output_name.into(), c.vocab, c.hidden)?;
         let embed = match (&output, tied) {
             (Linear::Q8(_), true) => None,
             _ => Some(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?),

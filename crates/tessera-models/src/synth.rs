@@ -71,11 +71,14 @@ pub const PRESETS: &[SynthShape] = &[
     shape(G, "gemma3-12b", 3840, 48, 16, 8, 256, 15360, 262_144),
     shape(G, "gemma3-27b", 5376, 62, 32, 16, 128, 21504, 262_144),
     shape(L, "tiny", 64, 4, 4, 2, 16, 128, 512),
+    // Every matrix width a multiple of 256, the K-quants' block: for every weight type.
+    shape(L, "tiny-256", 256, 2, 4, 2, 64, 512, 512),
     shape(L, "llama3.2-1b", 2048, 16, 32, 8, 64, 8192, 128_256),
     shape(L, "llama3.2-3b", 3072, 28, 24, 8, 128, 8192, 128_256),
     shape(L, "llama3-8b", 4096, 32, 32, 8, 128, 14336, 128_256),
     shape(L, "llama3-70b", 8192, 80, 64, 8, 128, 28672, 128_256),
     shape(Q2, "tiny", 64, 4, 4, 2, 16, 128, 512),
+    shape(Q2, "tiny-256", 256, 2, 4, 2, 64, 512, 512),
     shape(Q2, "qwen2.5-0.5b", 896, 24, 14, 2, 64, 4864, 151_936),
     shape(Q2, "qwen2.5-1.5b", 1536, 28, 12, 2, 128, 8960, 151_936),
     shape(Q2, "qwen2.5-7b", 3584, 28, 28, 4, 128, 18944, 152_064),
@@ -106,17 +109,37 @@ pub fn preset(arch: &str, name: &str) -> Result<SynthShape, ModelError> {
     })
 }
 
-/// Weight storage types synth writes.
+/// Weight storage types synth writes: every type candle runs on CPU, by llama.cpp's names.
+pub const SYNTH_DTYPES: &[(&str, GgmlDType)] = &[
+    ("f32", GgmlDType::F32),
+    ("f16", GgmlDType::F16),
+    ("bf16", GgmlDType::BF16),
+    ("q4_0", GgmlDType::Q4_0),
+    ("q4_1", GgmlDType::Q4_1),
+    ("q5_0", GgmlDType::Q5_0),
+    ("q5_1", GgmlDType::Q5_1),
+    ("q8_0", GgmlDType::Q8_0),
+    ("q2_k", GgmlDType::Q2K),
+    ("q3_k", GgmlDType::Q3K),
+    ("q4_k", GgmlDType::Q4K),
+    ("q5_k", GgmlDType::Q5K),
+    ("q6_k", GgmlDType::Q6K),
+];
+
+/// The weight type called `name` (case-insensitive), or an error listing those synth writes.
 pub fn parse_dtype(name: &str) -> Result<GgmlDType, ModelError> {
-    match name.to_ascii_lowercase().as_str() {
-        "q8_0" => Ok(GgmlDType::Q8_0),
-        "q4_0" => Ok(GgmlDType::Q4_0),
-        "f16" => Ok(GgmlDType::F16),
-        "f32" => Ok(GgmlDType::F32),
-        _ => Err(ModelError::Synth(format!(
-            "weight type `{name}`: synth writes q8_0, q4_0, f16 or f32"
-        ))),
-    }
+    let lower = name.to_ascii_lowercase();
+    SYNTH_DTYPES
+        .iter()
+        .find(|(n, _)| *n == lower)
+        .map(|&(_, t)| t)
+        .ok_or_else(|| {
+            let names: Vec<&str> = SYNTH_DTYPES.iter().map(|(n, _)| *n).collect();
+            ModelError::Synth(format!(
+                "weight type `{name}`: synth writes {}",
+                names.join(", ")
+            ))
+        })
 }
 
 impl SynthShape {
@@ -207,8 +230,24 @@ pub fn write_model(
             shape.vocab
         )));
     }
-    let mut seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let s = *shape;
+    // A quantized row is whole blocks (256 values for the K-quants): say so before candle
+    // refuses the first matrix.
+    let block = dtype.block_size();
+    for (what, width) in [
+        ("hidden size", s.hidden),
+        ("attention width (heads × head_dim)", s.heads * s.head_dim),
+        ("feed-forward size", s.ffn),
+    ] {
+        if width % block != 0 {
+            return Err(ModelError::Synth(format!(
+                "{dtype:?} stores rows in blocks of {block}, but preset `{}` has a {what} of \
+                 {width}; the `tiny-256` presets of llama and qwen2 fit every type",
+                s.name
+            )));
+        }
+    }
+    let mut seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut matrix =
         |name: String, rows: usize, cols: usize, seed: &mut u64| -> Result<(), ModelError> {

@@ -149,8 +149,8 @@ fn bad_synth_requests_name_the_problem() {
     assert!(e.contains("llama3-8b"), "{e}");
     let e = preset("gemma3", "gemma3-9b").unwrap_err().to_string();
     assert!(e.contains("gemma3-9b") && e.contains("gemma3-12b"), "{e}");
-    let e = parse_dtype("q3_k").unwrap_err().to_string();
-    assert!(e.contains("q3_k"), "{e}");
+    let e = parse_dtype("iq2_xxs").unwrap_err().to_string();
+    assert!(e.contains("iq2_xxs") && e.contains("q6_k"), "{e}");
     // 12B really is twelve billion parameters (embeddings included).
     let p = preset("gemma3", "gemma3-12b").unwrap().parameters();
     assert!((11_000_000_000..13_500_000_000).contains(&p), "{p}");
