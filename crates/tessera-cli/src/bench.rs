@@ -50,7 +50,8 @@ impl<'m> Rows<'m> {
     fn new(model: &'m Model, scheme: &KvScheme, batch: usize) -> Result<Self> {
         Ok(Rows {
             model,
-            cache: KvCache::new(&model.layer_specs(), scheme, vec![0; batch])?,
+            cache: KvCache::new(&model.layer_specs(), scheme, vec![0; batch])?
+                .with_isa(model.isa()),
         })
     }
 
@@ -149,18 +150,19 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         println!(
             "{}",
             serde_json::json!({
-                "model": model.architecture(), "device": margs.device, "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
+                "model": model.architecture(), "device": margs.device, "isa": model.isa().to_string(), "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
                 "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps, "decode_step_ms": step_ms, "decode_submit_ms": submit_ms,
                 "peak_rss_bytes": rss, "kv_bytes_per_token": cache.bytes_per_token(), "kv_allocated_bytes": cache.allocated_bytes(),
             })
         );
     } else {
         println!(
-            "model {} | device {} | batch {batch} | kv {} | threads {}",
+            "model {} | device {} | batch {batch} | kv {} | threads {} | isa {}",
             model.architecture(),
             margs.device,
             label,
-            candle_core::utils::get_num_threads()
+            candle_core::utils::get_num_threads(),
+            model.isa()
         );
         println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up; all rows)");
         println!(

@@ -12,7 +12,7 @@ use tessera_engine::chat::{ChatTemplate, Message, TemplateOrigin};
 use tessera_engine::eval::{evaluate, EvalMode};
 use tessera_engine::store::{self, FetchEvent};
 use tessera_engine::{Generation, SamplerConfig, Session, StopReason, TextStream};
-use tessera_kv::KvScheme;
+use tessera_kv::{Isa, KvScheme};
 use tessera_models::{GgufFile, LoadOptions, Model, Tokenizer};
 
 /// Runs `f` with a progress callback that draws a bar on stderr (steps as lines above it).
@@ -93,9 +93,24 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
         // The Q8_0 re-encoding serves the CPU's repacked matmul only.
         reencode_q5_0: !args.keep_q5_0 && device.is_cpu(),
         dequantize: args.f32_weights,
+        isa: isa(args.isa.as_deref())?,
         ..Default::default()
     };
     Ok(Model::load(&path, &options, &device)?)
+}
+
+/// `--isa`: a level name, capped to what this CPU runs (the detected level without it).
+fn isa(name: Option<&str>) -> Result<Isa> {
+    let Some(name) = name else {
+        return Ok(Isa::detected());
+    };
+    match Isa::parse(name) {
+        Some(level) => Ok(level.capped()),
+        None => bail!(
+            "--isa {name:?}: unknown level; use one of {}",
+            Isa::ALL.map(|l| l.to_string()).join(", ")
+        ),
+    }
 }
 
 pub fn scheme(kv: &str, kv_start: usize) -> Result<KvScheme> {

@@ -39,6 +39,11 @@ pub struct ModelArgs {
     /// in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512` or
+    /// `avx512vnni` (default: the highest this CPU runs), e.g. to measure what an AVX2-only
+    /// CPU gets.
+    #[arg(long)]
+    pub isa: Option<String>,
 }
 
 /// KV cache options.

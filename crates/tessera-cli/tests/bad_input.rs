@@ -467,3 +467,27 @@ fn unknown_or_unavailable_device() {
         assert_clean_error(code, &err, "--features cuda");
     }
 }
+
+/// `--isa` names a level or is refused; a level reaches the model and its caches (the bench
+/// header says which ran).
+#[test]
+fn isa_levels_are_parsed_and_reach_the_run() {
+    let (code, _, err) = tessera(&["generate", "--isa", "sse9", "--prompt", "hi"]);
+    assert_clean_error(code, &err, "--isa \"sse9\": unknown level");
+    let model = model();
+    let (code, out, err) = tessera(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--isa",
+        "portable",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "2",
+        "--repeat",
+        "1",
+    ]);
+    assert_eq!(code, 0, "stderr: {err}");
+    assert!(out.contains("| isa portable"), "{out}");
+}

@@ -45,7 +45,7 @@ pub fn generate_batch_greedy(
                 .collect()
         })
         .collect();
-    let mut cache = KvCache::new(&model.layer_specs(), scheme, pads)?;
+    let mut cache = KvCache::new(&model.layer_specs(), scheme, pads)?.with_isa(model.isa());
     let device = model.device();
     let b = prompts.len();
     let mut logits = None;

@@ -34,7 +34,7 @@ impl<'m> Session<'m> {
         }
         Ok(Session {
             model,
-            cache: KvCache::new(&model.layer_specs(), scheme, vec![0])?,
+            cache: KvCache::new(&model.layer_specs(), scheme, vec![0])?.with_isa(model.isa()),
             tokens: Vec::new(),
             prefill_chunk,
             prefill_time: Duration::ZERO,

@@ -618,6 +618,9 @@ pub struct Decoder {
     blocks: Vec<Block>,
     final_norm: RmsNorm,
     device: Device,
+    /// The vector instruction level its CPU kernels run at (also the level its caches
+    /// should read at: [`Decoder::isa`]).
+    isa: Isa,
 }
 
 impl Decoder {
@@ -748,7 +751,12 @@ impl Decoder {
             blocks,
             final_norm,
             device: device.clone(),
+            isa: options.isa.capped(),
         })
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
     }
 
     pub fn config(&self) -> &DecoderConfig {

@@ -132,6 +132,14 @@ impl Model {
         }
     }
 
+    /// The vector instruction level the model's CPU kernels run at; caches made for it
+    /// read at the same level (`KvCache::with_isa`).
+    pub fn isa(&self) -> Isa {
+        match self {
+            Model::Decoder(m) => m.isa(),
+        }
+    }
+
     pub fn architecture(&self) -> &'static str {
         match self {
             Model::Decoder(m) => m.config().arch.name(),
