@@ -333,7 +333,11 @@ fn bad_metadata_values_are_errors_naming_key_and_value() {
             Box::new(move |md| {
                 set(md, "tokenizer.ggml.model", Value::String("gpt2".into()));
                 set(md, "tokenizer.ggml.merges", Value::Array(Vec::new()));
-                set(md, "tokenizer.ggml.pre", Value::String("no-such-pre".into()));
+                set(
+                    md,
+                    "tokenizer.ggml.pre",
+                    Value::String("no-such-pre".into()),
+                );
             }),
             vec!["pre-tokenizer `no-such-pre`"],
         ),
