@@ -20,15 +20,13 @@
 
 mod common;
 
-use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::gemma3;
 // candle-nn as candle-transformers re-exports it (the engine has no candle-nn dependency).
 use candle_transformers::models::mimi::candle_nn::{Activation, VarBuilder};
 use candle_transformers::models::quantized_gemma3::ModelWeights;
 use std::collections::HashMap;
-use std::io::Write;
-use std::path::PathBuf;
 use tessera_engine::{Generation, SamplerConfig, Session};
 use tessera_kv::KvScheme;
 use tessera_models::{LoadOptions, MlpActivation, Model};
@@ -70,15 +68,6 @@ fn candle_greedy(weights: &mut ModelWeights, prompt: &[u32]) -> Vec<(u32, Vec<f3
     candle_run(Box::new(|x, pos| weights.forward(x, pos)), prompt, None)
 }
 
-/// A file removed when dropped, also when the test fails.
-struct TempFile(PathBuf);
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 /// The default model's tensors dequantized to f32, by GGUF name, with its metadata.
 fn f32_tensors() -> (gguf_file::Content, Vec<(String, Tensor)>) {
     let mut file = std::fs::File::open(common::model_path()).unwrap();
@@ -101,32 +90,9 @@ fn f32_tensors() -> (gguf_file::Content, Vec<(String, Tensor)>) {
 /// candle's QMatMul dequantizes at load like any F32 tensor, so no environment variable is
 /// needed. `tag` keeps the files of tests running in parallel apart.
 fn candle_quantized_gemma3(tag: &str) -> ModelWeights {
-    let tmp = TempFile(std::env::temp_dir().join(format!(
-        "tessera-candle-f32-{}-{tag}.gguf",
-        std::process::id()
-    )));
-    {
-        let (content, tensors) = f32_tensors();
-        let tensors: Vec<(String, QTensor)> = tensors
-            .into_iter()
-            .map(|(name, t)| (name, QTensor::quantize(&t, GgmlDType::F32).unwrap()))
-            .collect();
-        let md: Vec<(&str, &gguf_file::Value)> = content
-            .metadata
-            .iter()
-            .map(|(k, v)| (k.as_str(), v))
-            .collect();
-        let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
-        let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp.0).unwrap());
-        gguf_file::write(&mut w, &md, &ts).unwrap();
-        w.flush().unwrap();
-    }
+    let tmp = common::f32_gguf_copy(&common::model_path(), tag);
     let mut file = std::fs::File::open(&tmp.0).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
-    assert!(content
-        .tensor_infos
-        .values()
-        .all(|t| t.ggml_dtype == GgmlDType::F32));
     ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap()
 }
 
@@ -221,16 +187,6 @@ fn ours_forced(model: &Model, prompt: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
     logits
 }
 
-/// Largest logit difference as a fraction of the reference's largest logit.
-fn relative_gap(ours: &[f32], reference: &[f32]) -> f32 {
-    let scale = reference.iter().fold(0f32, |a, b| a.max(b.abs()));
-    let diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-    diff / scale
-}
-
 #[test]
 fn greedy_tokens_match_candle_quantized_gemma3() {
     let (model, tok) = common::load_with(LoadOptions {
@@ -270,7 +226,7 @@ fn greedy_tokens_match_candle_quantized_gemma3() {
         let mut session = Session::new(&model, &f32_cache, 512).unwrap();
         let mut logits = session.feed(&ids).unwrap();
         for (step, (token, reference)) in expected.iter().enumerate() {
-            let gap = relative_gap(&logits, reference);
+            let gap = common::relative_gap(&logits, reference);
             assert!(
                 gap < TOLERANCE,
                 "step {step} of {prompt:.30?}: logits differ by {gap} of the largest"
@@ -317,7 +273,7 @@ fn with_gemma_gelu_ours_matches_candle_gemma3_and_differs_from_its_silu_graph() 
     let gelu_gaps: Vec<f32> = ours
         .iter()
         .zip(&reference)
-        .map(|(o, (_, r))| relative_gap(o, r))
+        .map(|(o, (_, r))| common::relative_gap(o, r))
         .collect();
     let worst = gelu_gaps.iter().fold(0f32, |a, &b| a.max(b));
 
@@ -333,7 +289,7 @@ fn with_gemma_gelu_ours_matches_candle_gemma3_and_differs_from_its_silu_graph() 
     let silu_gaps: Vec<f32> = ours
         .iter()
         .zip(&silu)
-        .map(|(o, (_, r))| relative_gap(o, r))
+        .map(|(o, (_, r))| common::relative_gap(o, r))
         .collect();
     let nearest = silu_gaps.iter().fold(f32::INFINITY, |a, &b| a.min(b));
     println!("relative logit gap: gemma3 (gelu) at most {worst}, quantized_gemma3 (SiLU) at least {nearest}");

@@ -12,6 +12,8 @@
 //! - metadata the decoder cannot run (a short sliding window, a missing bias) is refused
 //!   with an error naming the key or tensor.
 
+mod common;
+
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_qwen2::ModelWeights;
@@ -47,19 +49,6 @@ fn qwen2_model_path() -> PathBuf {
     path
 }
 
-/// A file removed when dropped, also when the test fails.
-struct TempFile(PathBuf);
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn temp(tag: &str) -> TempFile {
-    TempFile(std::env::temp_dir().join(format!("tessera-qwen2-{}-{tag}.gguf", std::process::id())))
-}
-
 fn write_gguf(path: &Path, metadata: &[(&str, &gguf_file::Value)], tensors: &[(&str, &QTensor)]) {
     let mut w = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
     gguf_file::write(&mut w, metadata, tensors).unwrap();
@@ -86,17 +75,6 @@ fn candle_forward(m: &mut ModelWeights, tokens: &[u32], pos: usize) -> Vec<f32> 
         .unwrap()
 }
 
-/// Largest logit difference as a fraction of the reference's largest logit.
-fn relative_gap(ours: &[f32], reference: &[f32]) -> f32 {
-    assert_eq!(ours.len(), reference.len());
-    let scale = reference.iter().fold(0f32, |a, b| a.max(b.abs()));
-    let diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-    diff / scale
-}
-
 fn tiny_qwen2(path: &Path, dtype: &str) {
     let shape = preset("qwen2", "tiny").unwrap();
     write_model(&shape, parse_dtype(dtype).unwrap(), 3, path).unwrap();
@@ -104,7 +82,7 @@ fn tiny_qwen2(path: &Path, dtype: &str) {
 
 #[test]
 fn synthetic_qwen2_matches_candle_quantized_qwen2() {
-    let file = temp("tiny");
+    let file = common::temp_gguf("qwen2-tiny");
     tiny_qwen2(&file.0, "f32");
     let (model, _) = Model::load(&file.0, &LoadOptions::default(), &Device::Cpu).unwrap();
     assert_eq!(model.architecture(), "qwen2");
@@ -122,7 +100,7 @@ fn synthetic_qwen2_matches_candle_quantized_qwen2() {
     let mut theirs = candle_forward(&mut reference, &prompt, 0);
     let mut worst = 0f32;
     for step in 0..12 {
-        let gap = relative_gap(&ours, &theirs);
+        let gap = common::relative_gap(&ours, &theirs);
         worst = worst.max(gap);
         assert!(
             gap <= SYNTH_TOLERANCE,
@@ -147,7 +125,7 @@ fn synthetic_qwen2_matches_candle_quantized_qwen2() {
         }
         tensors.push((name.clone(), t));
     }
-    let unbiased = temp("tiny-unbiased");
+    let unbiased = common::temp_gguf("qwen2-tiny-unbiased");
     let md: Vec<(&str, &gguf_file::Value)> = content
         .metadata
         .iter()
@@ -158,7 +136,7 @@ fn synthetic_qwen2_matches_candle_quantized_qwen2() {
     let (model, _) = Model::load(&unbiased.0, &LoadOptions::default(), &Device::Cpu).unwrap();
     let mut session = Session::new(&model, &scheme, 16).unwrap();
     let without = session.feed(&prompt).unwrap();
-    let gap = relative_gap(&without, &candle_forward(&mut reference, &prompt, 0));
+    let gap = common::relative_gap(&without, &candle_forward(&mut reference, &prompt, 0));
     println!("synthetic qwen2 with zeroed biases: relative logit gap {gap}");
     assert!(
         gap > 100.0 * SYNTH_TOLERANCE,
@@ -168,7 +146,7 @@ fn synthetic_qwen2_matches_candle_quantized_qwen2() {
 
 #[test]
 fn qwen2_metadata_and_tensors_are_validated() {
-    let file = temp("validate");
+    let file = common::temp_gguf("qwen2-validate");
     tiny_qwen2(&file.0, "q8_0");
     let mut f = std::fs::File::open(&file.0).unwrap();
     let content = gguf_file::Content::read(&mut f).unwrap();
@@ -178,7 +156,7 @@ fn qwen2_metadata_and_tensors_are_validated() {
         .map(|n| (n.clone(), content.tensor(&mut f, n, &Device::Cpu).unwrap()))
         .collect();
     let load = |extra: &[(&str, gguf_file::Value)], drop_tensor: Option<&str>| {
-        let out = temp("validate-variant");
+        let out = common::temp_gguf("qwen2-validate-variant");
         let mut md: Vec<(&str, &gguf_file::Value)> = content
             .metadata
             .iter()
@@ -253,38 +231,8 @@ fn qwen2_metadata_and_tensors_are_validated() {
 /// candle-transformers' quantized_qwen2 on f32 weights: loaded from a copy of `path` with
 /// every tensor stored as F32 (a temporary file, removed once loaded).
 fn candle_qwen2_f32(path: &Path) -> ModelWeights {
-    let tmp = temp("f32");
-    {
-        let mut file = std::fs::File::open(path).unwrap();
-        let content = gguf_file::Content::read(&mut file).unwrap();
-        let mut names: Vec<&String> = content.tensor_infos.keys().collect();
-        names.sort();
-        let tensors: Vec<(&str, QTensor)> = names
-            .into_iter()
-            .map(|name| {
-                let q = content.tensor(&mut file, name, &Device::Cpu).unwrap();
-                let t = q.dequantize(&Device::Cpu).unwrap();
-                (
-                    name.as_str(),
-                    QTensor::quantize(&t, GgmlDType::F32).unwrap(),
-                )
-            })
-            .collect();
-        let md: Vec<(&str, &gguf_file::Value)> = content
-            .metadata
-            .iter()
-            .map(|(k, v)| (k.as_str(), v))
-            .collect();
-        let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (*k, t)).collect();
-        write_gguf(&tmp.0, &md, &ts);
-    }
-    let mut file = std::fs::File::open(&tmp.0).unwrap();
-    let content = gguf_file::Content::read(&mut file).unwrap();
-    assert!(content
-        .tensor_infos
-        .values()
-        .all(|t| t.ggml_dtype == GgmlDType::F32));
-    ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap()
+    let tmp = common::f32_gguf_copy(path, "qwen2-f32");
+    candle_qwen2(&tmp.0)
 }
 
 #[test]
@@ -321,7 +269,7 @@ fn qwen2_5_coder_f32_matches_candle_quantized_qwen2() {
         let mut session = Session::new(&model, &scheme, 512).unwrap();
         let mut ours = session.feed(&ids).unwrap();
         for (step, (token, theirs)) in steps.iter().enumerate() {
-            let gap = relative_gap(&ours, theirs);
+            let gap = common::relative_gap(&ours, theirs);
             worst = worst.max(gap);
             assert!(
                 gap < REAL_TOLERANCE,

@@ -50,3 +50,70 @@ pub fn corpus() -> String {
     std::fs::read_to_string(shared("corpus/pride-and-prejudice.txt"))
         .expect("../shared/corpus is readable")
 }
+
+/// A file removed when dropped, also when the test fails.
+pub struct TempFile(pub PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A temporary GGUF path unique to this process and `tag` (tests run in parallel).
+pub fn temp_gguf(tag: &str) -> TempFile {
+    TempFile(std::env::temp_dir().join(format!("tessera-test-{}-{tag}.gguf", std::process::id())))
+}
+
+/// Largest logit difference as a fraction of the reference's largest logit.
+pub fn relative_gap(ours: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(ours.len(), reference.len());
+    let scale = reference.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let diff = ours
+        .iter()
+        .zip(reference)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    diff / scale
+}
+
+/// A copy of the GGUF at `src` with every tensor dequantized and stored as F32, for
+/// candle-transformers' quantized models: their QMatMul runs F32 tensors as plain f32
+/// matmuls, so a reference on f32 weights needs no `CANDLE_DEQUANTIZE_ALL` environment
+/// variable. The copy is removed when the returned file drops.
+pub fn f32_gguf_copy(src: &std::path::Path, tag: &str) -> TempFile {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    use std::io::Write;
+    let tmp = temp_gguf(tag);
+    let mut file = std::fs::File::open(src).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let tensors: Vec<(&str, QTensor)> = names
+        .into_iter()
+        .map(|name| {
+            let q = content.tensor(&mut file, name, &Device::Cpu).unwrap();
+            let t = q.dequantize(&Device::Cpu).unwrap();
+            (
+                name.as_str(),
+                QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+            )
+        })
+        .collect();
+    let md: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (*k, t)).collect();
+    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp.0).unwrap());
+    gguf_file::write(&mut w, &md, &ts).unwrap();
+    w.flush().unwrap();
+    drop(w);
+    let mut file = std::fs::File::open(&tmp.0).unwrap();
+    let copy = gguf_file::Content::read(&mut file).unwrap();
+    assert!(copy
+        .tensor_infos
+        .values()
+        .all(|t| t.ggml_dtype == GgmlDType::F32));
+    tmp
+}
