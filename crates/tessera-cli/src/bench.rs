@@ -104,6 +104,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         bail!("--prompt-tokens, --gen-tokens, --repeat and --batch must be at least 1");
     }
     let (model, tok) = load(margs)?;
+    crate::commands::notice_scheme(&model, &scheme);
     if depth + gen_tokens > model.context_length() || prompt_tokens > model.context_length() {
         bail!(
             "--depth + --gen-tokens and --prompt-tokens must fit the model's context of {}",

@@ -131,6 +131,14 @@ pub fn scheme_from_config(path: &Path, kv_start: usize) -> Result<KvScheme> {
     Ok(s)
 }
 
+/// Says (on stderr) when the scheme leaves the model's sliding-window layers in another
+/// codec than the rest.
+pub fn notice_scheme(model: &Model, scheme: &KvScheme) {
+    if let Some(note) = tessera_kv::sliding_notice(&model.layer_specs(), scheme) {
+        eprintln!("note: {note}");
+    }
+}
+
 /// The scheme of the shared `--kv` / `--kv-start` / `--kv-config` flags.
 pub fn scheme_of(kv: &KvArgs) -> Result<KvScheme> {
     match &kv.kv_config {
@@ -236,6 +244,7 @@ pub fn generate(
     let sampler = sampler(sargs)?;
     let t0 = Instant::now();
     let (model, tok) = load(margs)?;
+    notice_scheme(&model, &scheme);
     let load_time = t0.elapsed();
     let (ids, stops) = if chat_template {
         let template = self::chat_template(&tok)?;
@@ -290,6 +299,7 @@ pub fn chat(
     let scheme = scheme_of(kv)?;
     let sampler = sampler(sargs)?;
     let (model, tok) = load(margs)?;
+    notice_scheme(&model, &scheme);
     let template = chat_template(&tok)?;
     let stops = chat_stop_tokens(&tok, &template);
     let mut session = Session::new(&model, &scheme, prefill_chunk)?;

@@ -54,7 +54,8 @@ impl<'m> Session<'m> {
 
     /// Drops every position after the first `len`, so the next feed continues from there
     /// (a chat turn reusing the prefix it shares with the cache). Refused, the session left
-    /// unchanged, when the cache cannot drop them: a sliding-window ring that has wrapped.
+    /// unchanged, when the cache cannot drop them: a sliding-window ring that has overwritten
+    /// positions its window would need again.
     pub fn truncate(&mut self, len: usize) -> Result<(), EngineError> {
         if len >= self.tokens.len() {
             return Ok(());
@@ -84,8 +85,18 @@ impl<'m> Session<'m> {
         }
         let start = Instant::now();
         let mut last = Vec::new();
-        for chunk in tokens.chunks(self.prefill_chunk) {
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            // A chunk ends exactly where the bf16-first transition converts the cache, so the
+            // conversion (and the prefix-reuse floor) falls at quantized_kv_start.
+            let len = self
+                .cache
+                .max_append_tokens()
+                .map_or(self.prefill_chunk, |m| m.min(self.prefill_chunk))
+                .min(rest.len());
+            let (chunk, tail) = rest.split_at(len);
             last = self.forward(chunk, LogitsMode::Last)?;
+            rest = tail;
         }
         if tokens.len() > 1 {
             self.prefill_time += start.elapsed();

@@ -13,11 +13,13 @@ use crate::PLANES_CU;
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Storage, Tensor};
+use std::any::Any;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -69,9 +71,12 @@ fn timed<R>(kernels: &Kernels, op: usize, f: impl FnOnce() -> R) -> R {
     }
     r
 }
-use tessera_kv::device::{DeviceBackend, DevicePlanes, PlaneGeometry};
-use tessera_kv::turbo_planes::TurboPlanes;
-use tessera_kv::{grown_capacity, Codec, KvError, PlainDType, TurboPrep};
+use tessera_kv::planes::device::host_planes;
+use tessera_kv::planes::{
+    ChunkGeometry, DeviceBackend, PlaneGeometry, Planes, PlanesState, RowSlots, TurboPlanes,
+    TurboTables,
+};
+use tessera_kv::{grown_capacity, Codec, Isa, KvError, PlainDType, TurboPrep};
 
 /// The kernels of one device.
 struct Kernels {
@@ -89,7 +94,7 @@ struct Kernels {
 
 /// Installs the CUDA backend into tessera-kv (once per process).
 pub fn install() {
-    tessera_kv::device::install(Box::new(CudaBackend::new()));
+    tessera_kv::planes::install(Box::new(CudaBackend::new()));
 }
 
 pub struct CudaBackend {
@@ -189,7 +194,7 @@ impl DeviceBackend for CudaBackend {
         codec: Codec,
         geometry: PlaneGeometry,
         device: &Device,
-    ) -> Result<Option<Box<dyn DevicePlanes>>, KvError> {
+    ) -> Result<Option<Box<dyn Planes>>, KvError> {
         let Device::Cuda(dev) = device else {
             return Ok(None);
         };
@@ -199,28 +204,14 @@ impl DeviceBackend for CudaBackend {
             reason,
         })?;
         let kernels = self.kernels(dev).map_err(device_error)?;
-        let turbo = match codec {
-            Codec::Turbo { kbits, vbits, .. } => {
-                let g = geometry;
-                let host = TurboPlanes::new(kbits, vbits, g.rows, g.heads, g.head_dim, g.value_dim);
-                let device =
-                    TurboDevice::upload(&kernels.read.stream, &host.tables(), g.heads, g.head_dim)
-                        .map_err(device_error)?;
-                Some(TurboState {
-                    host,
-                    device: Arc::new(device),
-                })
-            }
+        // Turbo: the host's own planes of the codec, for its tables and key preparation.
+        let host = match codec {
+            Codec::Turbo { .. } => Some(host_planes(codec, geometry)),
             _ => None,
         };
-        Ok(Some(Box::new(CudaPlanes {
-            kernels,
-            codec,
-            gpu,
-            geometry,
-            planes: None,
-            turbo,
-        })))
+        Ok(Some(Box::new(CudaPlanes::new(
+            kernels, codec, gpu, geometry, host,
+        )?)))
     }
 }
 
@@ -235,11 +226,11 @@ struct CudaPlanes {
     turbo: Option<TurboState>,
 }
 
-/// A turbo layer's tables: tessera-kv's empty planes of the codec (its rotations and
-/// codebooks, and where the key preparation is fitted, with the CPU's own code) and their
-/// copy on the device.
+/// A turbo layer's tables: tessera-kv's host planes of the codec, kept empty (no slots:
+/// its rotations and codebooks, and the per-row key preparation, fitted and adopted with
+/// the CPU's own code), and their copy on the device.
 struct TurboState {
-    host: TurboPlanes,
+    host: Box<dyn Planes>,
     device: Arc<TurboDevice>,
 }
 
@@ -297,7 +288,94 @@ fn wrap(kernels: &Kernels, out: CudaSlice<f32>, shape: &[usize]) -> Tensor {
     )
 }
 
+/// The host turbo planes' tables (rotations, codebooks, per-row key preparation).
+fn host_tables(host: &dyn Planes) -> Result<TurboTables, KvError> {
+    host.as_any()
+        .downcast_ref::<TurboPlanes>()
+        .map(TurboPlanes::tables)
+        .ok_or_else(|| KvError::Device("CUDA turbo planes without host turbo planes".into()))
+}
+
+fn upload_tables(
+    kernels: &Kernels,
+    host: &dyn Planes,
+    g: PlaneGeometry,
+) -> Result<TurboDevice, KvError> {
+    TurboDevice::upload(
+        &kernels.read.stream,
+        &host_tables(host)?,
+        g.rows * g.heads,
+        g.head_dim,
+    )
+    .map_err(device_error)
+}
+
+/// Words as their little-endian bytes (the host planes' buffers), and back.
+fn word_bytes(w: &[u32]) -> Vec<u8> {
+    w.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// `b` as `words` u32 words, or the error naming `what`.
+fn bytes_words(b: &[u8], words: usize, what: &str) -> Result<Vec<u32>, KvError> {
+    if b.len() != 4 * words {
+        return Err(KvError::BadState(format!(
+            "{what}: {} bytes, expected {}",
+            b.len(),
+            4 * words
+        )));
+    }
+    Ok(b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// A turbo norm plane: the device's 32-bit words (f16 in the low half) as the host's f16s.
+fn norms_to_f16_bytes(w: &[u32]) -> Vec<u8> {
+    w.iter().flat_map(|x| (*x as u16).to_le_bytes()).collect()
+}
+
+fn f16_bytes_to_norms(b: &[u8], norms: usize, what: &str) -> Result<Vec<u32>, KvError> {
+    if b.len() != 2 * norms {
+        return Err(KvError::BadState(format!(
+            "{what}: {} bytes, expected {}",
+            b.len(),
+            2 * norms
+        )));
+    }
+    Ok(b.chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+        .collect())
+}
+
 impl CudaPlanes {
+    fn new(
+        kernels: Arc<Kernels>,
+        codec: Codec,
+        gpu: GpuCodec,
+        geometry: PlaneGeometry,
+        host: Option<Box<dyn Planes>>,
+    ) -> Result<Self, KvError> {
+        let turbo = match host {
+            Some(host) => {
+                let device = Arc::new(upload_tables(&kernels, host.as_ref(), geometry)?);
+                Some(TurboState { host, device })
+            }
+            None => None,
+        };
+        Ok(CudaPlanes {
+            kernels,
+            codec,
+            gpu,
+            geometry,
+            planes: None,
+            turbo,
+        })
+    }
+
     fn blocks(&self) -> usize {
         self.geometry.rows * self.geometry.heads
     }
@@ -316,8 +394,66 @@ impl CudaPlanes {
         }
     }
 
-    /// Encodes `x` `(blocks, n, d)` into slots `slot ..` of `codes`/`params` (`cap` slots)
-    /// of `plane` (0 keys, 1 values).
+    /// Uploads the host turbo planes' tables again (after a fit, adoption or restore).
+    fn refresh_tables(&mut self) -> Result<(), KvError> {
+        let Some(t) = &mut self.turbo else {
+            return Ok(());
+        };
+        t.device = Arc::new(upload_tables(
+            &self.kernels,
+            t.host.as_ref(),
+            self.geometry,
+        )?);
+        if let Some(p) = &mut self.planes {
+            p.turbo = Some(t.device.clone());
+        }
+        Ok(())
+    }
+
+    /// `src` as CUDA planes of this codec on this device.
+    fn same_kind<'a>(&self, src: &'a dyn Planes) -> Result<&'a CudaPlanes, KvError> {
+        src.as_any()
+            .downcast_ref::<CudaPlanes>()
+            .filter(|s| {
+                s.codec() == self.codec()
+                    && Arc::ptr_eq(&s.kernels, &self.kernels)
+                    && (s.geometry.heads, s.geometry.head_dim, s.geometry.value_dim)
+                        == (
+                            self.geometry.heads,
+                            self.geometry.head_dim,
+                            self.geometry.value_dim,
+                        )
+            })
+            .ok_or_else(|| KvError::CodecMismatch {
+                expected: format!("{} on cuda", self.codec()),
+                got: src.codec().to_string(),
+            })
+    }
+
+    fn check_rows(&self, rows: &Range<usize>, what: &str) -> Result<(), KvError> {
+        if rows.start > rows.end || rows.end > self.geometry.rows {
+            return Err(KvError::Rows(format!(
+                "{what} rows {rows:?} of CUDA planes of {} rows",
+                self.geometry.rows
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_slots(&self, slot: usize, len: usize, what: &str) -> Result<(), KvError> {
+        if slot + len > self.capacity() {
+            return Err(KvError::Device(format!(
+                "{what} slots {slot}..{} of CUDA planes of capacity {}",
+                slot + len,
+                self.capacity()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Encodes `x` `(rows, heads, n, d)` into rows `row0 ..`, slots `slot ..` of
+    /// `codes`/`params` (`cap` slots) of `plane` (0 keys, 1 values).
+    #[allow(clippy::too_many_arguments)]
     fn encode(
         &self,
         x: &Tensor,
@@ -326,12 +462,29 @@ impl CudaPlanes {
         cap: usize,
         slot: usize,
         plane: usize,
+        row0: usize,
     ) -> Result<(), KvError> {
         let (b, h, n, d) = x.dims4()?;
+        if b * h * n == 0 {
+            return Ok(());
+        }
         let x = f32_storage(x)?;
         let k = &self.kernels;
+        // The launch's first block: the kernels index blocks from there.
+        let first = row0 * self.geometry.heads * cap;
+        let (w, p) = self.words(plane);
+        let mut codes = codes.slice_mut(first * w..);
+        let mut params = params.slice_mut(first * p..);
         if let Some(t) = &self.turbo {
-            return self.turbo_encode(&x, (b * h, n, d), codes, params, cap, slot, plane, t);
+            return self.turbo_encode(
+                &x,
+                (b * h, n, d),
+                &mut codes,
+                &mut params,
+                (cap, slot, row0),
+                plane,
+                t,
+            );
         }
         let (bits, group) = self.bits_group();
         let per_row = if bits == 0 { d / 2 } else { d / group as usize };
@@ -341,8 +494,8 @@ impl CudaPlanes {
                 ((b * h) as i64, n as i32, d as i32, cap as i32, slot as i32);
             let mut l = k.read.stream.launch_builder(&k.encode);
             l.arg(&xs)
-                .arg(codes)
-                .arg(params)
+                .arg(&mut codes)
+                .arg(&mut params)
                 .arg(&blocks)
                 .arg(&n)
                 .arg(&d)
@@ -357,14 +510,14 @@ impl CudaPlanes {
         })
     }
 
-    /// Slots `slot .. slot + len` of `codes`/`params` (`cap` slots) of `plane` as f32
-    /// `(blocks, len, d)`.
+    /// Slots `slot .. slot + len` of rows `rows` of `codes`/`params` (`cap` slots) of
+    /// `plane` as f32 `(rows.len() · heads, len, d)`.
     #[allow(clippy::too_many_arguments)]
     fn decode_slots(
         &self,
         codes: &CudaSlice<u32>,
         params: &CudaSlice<u32>,
-        blocks: usize,
+        rows: Range<usize>,
         cap: usize,
         slot: usize,
         len: usize,
@@ -372,20 +525,31 @@ impl CudaPlanes {
     ) -> Result<CudaSlice<f32>, KvError> {
         let k = &self.kernels;
         let d = self.geometry.head_dim;
+        let blocks = rows.len() * self.geometry.heads;
+        if blocks * len == 0 {
+            return k.read.stream.alloc_zeros::<f32>(1).map_err(device_error);
+        }
+        let first = rows.start * self.geometry.heads * cap;
+        let (w, p) = self.words(plane);
+        let codes = codes.slice(first * w..);
+        let params = params.slice(first * p..);
         if let Some(t) = &self.turbo {
-            return self.turbo_decode(codes, params, (blocks, cap, slot, len), plane, t);
+            return self.turbo_decode(
+                &codes,
+                &params,
+                (blocks, cap, slot, len, rows.start),
+                plane,
+                t,
+            );
         }
         let (bits, group) = self.bits_group();
         let run = || -> anyhow::Result<CudaSlice<f32>> {
-            let mut out = k
-                .read
-                .stream
-                .alloc_zeros::<f32>((blocks * len * d).max(1))?;
+            let mut out = k.read.stream.alloc_zeros::<f32>(blocks * len * d)?;
             let (nb, len_i, d_i, cap, slot) =
                 (blocks as i64, len as i32, d as i32, cap as i32, slot as i32);
             let mut l = k.read.stream.launch_builder(&k.decode);
-            l.arg(codes)
-                .arg(params)
+            l.arg(&codes)
+                .arg(&params)
                 .arg(&mut out)
                 .arg(&nb)
                 .arg(&len_i)
@@ -400,31 +564,44 @@ impl CudaPlanes {
         run().map_err(device_error)
     }
 
-    /// The turbo encode of `x` (f32, contiguous, `(blocks, n, d)`), as [`Self::encode`].
+    /// The key preparation's tables from block `row0 · heads` on, for `plane` (values
+    /// carry none: `prep` 0 and the tables unused).
+    fn prep_tables<'a>(
+        &self,
+        t: &'a TurboState,
+        plane: usize,
+        row0: usize,
+    ) -> (i32, CudaView<'a, f32>, CudaView<'a, f32>) {
+        let dev = &t.device;
+        let prep = if plane == 0 { dev.prep } else { 0 };
+        let at = (row0 * self.geometry.heads * self.geometry.head_dim).min(dev.mean.len() - 1);
+        (prep, dev.mean.slice(at..), dev.scale.slice(at..))
+    }
+
+    /// The turbo encode of `x` (f32, contiguous, `(blocks, n, d)`), as [`Self::encode`]
+    /// (`codes`, `norms` from the launch's first block on).
     #[allow(clippy::too_many_arguments)]
     fn turbo_encode(
         &self,
         x: &Tensor,
         (blocks, n, d): (usize, usize, usize),
-        codes: &mut CudaSlice<u32>,
-        norms: &mut CudaSlice<u32>,
-        cap: usize,
-        slot: usize,
+        codes: &mut CudaViewMut<u32>,
+        norms: &mut CudaViewMut<u32>,
+        (cap, slot, row0): (usize, usize, usize),
         plane: usize,
         t: &TurboState,
     ) -> Result<(), KvError> {
         let k = &self.kernels;
         let dev = &t.device;
         let bits = self.turbo_bits(plane);
-        // Values carry no preparation.
-        let prep = if plane == 0 { dev.prep } else { 0 };
+        let (prep, mean, scale) = self.prep_tables(t, plane, row0);
         with_f32(x, |xs, offset| {
             let xs = xs.slice(offset..);
             let signs = dev.signs.slice(plane * d..(plane + 1) * d);
             let thresholds = dev.thresholds.slice(plane * 256..(plane + 1) * 256);
             let (nb, n_i, d_i, cap, slot) =
                 (blocks as i64, n as i32, d as i32, cap as i32, slot as i32);
-            let (levels, heads) = (dev.counts[plane] as i32, self.geometry.heads as i32);
+            let levels = dev.counts[plane] as i32;
             let mut l = k.read.stream.launch_builder(&k.turbo_encode);
             l.arg(&xs)
                 .arg(codes)
@@ -438,22 +615,21 @@ impl CudaPlanes {
                 .arg(&signs)
                 .arg(&thresholds)
                 .arg(&levels)
-                .arg(&heads)
                 .arg(&prep)
-                .arg(&dev.mean)
-                .arg(&dev.scale);
+                .arg(&mean)
+                .arg(&scale);
             unsafe { l.launch(per_vector(blocks * n, d))? };
             Ok(())
         })
     }
 
     /// The turbo decode of slots, as [`Self::decode_slots`] (keys with their preparation
-    /// undone).
+    /// undone; `codes`, `norms` from the first block read on).
     fn turbo_decode(
         &self,
-        codes: &CudaSlice<u32>,
-        norms: &CudaSlice<u32>,
-        (blocks, cap, slot, len): (usize, usize, usize, usize),
+        codes: &CudaView<u32>,
+        norms: &CudaView<u32>,
+        (blocks, cap, slot, len, row0): (usize, usize, usize, usize, usize),
         plane: usize,
         t: &TurboState,
     ) -> Result<CudaSlice<f32>, KvError> {
@@ -461,7 +637,7 @@ impl CudaPlanes {
         let dev = &t.device;
         let d = self.geometry.head_dim;
         let bits = self.turbo_bits(plane);
-        let prep = if plane == 0 { dev.prep } else { 0 };
+        let (prep, mean, scale) = self.prep_tables(t, plane, row0);
         let run = || -> anyhow::Result<CudaSlice<f32>> {
             // SAFETY: the kernel writes every element (one block per row, d threads).
             let mut out = unsafe { k.read.stream.alloc::<f32>((blocks * len * d).max(1))? };
@@ -469,7 +645,6 @@ impl CudaPlanes {
             let levels = dev.levels.slice(plane * 256..(plane + 1) * 256);
             let (nb, len_i, d_i, cap, slot) =
                 (blocks as i64, len as i32, d as i32, cap as i32, slot as i32);
-            let heads = self.geometry.heads as i32;
             let mut l = k.read.stream.launch_builder(&k.turbo_decode);
             l.arg(codes)
                 .arg(norms)
@@ -482,10 +657,9 @@ impl CudaPlanes {
                 .arg(&bits)
                 .arg(&signs)
                 .arg(&levels)
-                .arg(&heads)
                 .arg(&prep)
-                .arg(&dev.mean)
-                .arg(&dev.scale);
+                .arg(&mean)
+                .arg(&scale);
             if blocks * len > 0 {
                 unsafe { l.launch(per_vector(blocks * len, d))? };
             }
@@ -524,6 +698,9 @@ impl CudaPlanes {
         let k = &self.kernels;
         let ((wk, pk), (wv, pv)) = (self.words(0), self.words(1));
         let blocks = self.blocks() as i64;
+        if blocks == 0 {
+            return Ok(());
+        }
         for (src, dst, per) in [
             (&old.k, &mut new.k, wk),
             (&old.v, &mut new.v, wv),
@@ -555,15 +732,46 @@ impl CudaPlanes {
             .as_ref()
             .ok_or_else(|| KvError::Device("read before any position was stored".into()))
     }
+
+    /// Buffers a state of these planes holds, and how many words (norms for turbo
+    /// parameters) each plane has: `(keys, key params, values, value params)`.
+    fn state_words(&self, capacity: usize) -> [usize; 4] {
+        let vectors = self.blocks() * capacity;
+        let ((wk, pk), (wv, pv)) = (self.words(0), self.words(1));
+        [vectors * wk, vectors * pk, vectors * wv, vectors * pv]
+    }
 }
 
-impl DevicePlanes for CudaPlanes {
+impl Planes for CudaPlanes {
+    /// Turbo: the host planes' codec (its preparation as they hold it), as the CPU's give.
     fn codec(&self) -> Codec {
-        self.codec
+        self.turbo.as_ref().map_or(self.codec, |t| t.host.codec())
+    }
+
+    fn geometry(&self) -> PlaneGeometry {
+        self.geometry
     }
 
     fn capacity(&self) -> usize {
         self.planes.as_ref().map_or(0, |p| p.capacity)
+    }
+
+    fn empty(&self, rows: usize) -> Result<Box<dyn Planes>, KvError> {
+        let host = match &self.turbo {
+            Some(t) => Some(t.host.empty(rows)?),
+            None => None,
+        };
+        let geometry = PlaneGeometry {
+            rows,
+            ..self.geometry
+        };
+        Ok(Box::new(CudaPlanes::new(
+            self.kernels.clone(),
+            self.codec,
+            self.gpu,
+            geometry,
+            host,
+        )?))
     }
 
     fn reserve(&mut self, slots: usize, limit: usize) -> Result<(), KvError> {
@@ -579,53 +787,157 @@ impl DevicePlanes for CudaPlanes {
         Ok(())
     }
 
-    fn write(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+    fn write(
+        &mut self,
+        rows: Range<usize>,
+        slot: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), KvError> {
         let (kernels, op) = (self.kernels.clone(), self.profile_op(0));
-        timed(&kernels, op, || self.write_now(slot, k, v))
+        timed(&kernels, op, || self.write_now(rows, slot, k, v))
     }
 
-    fn read(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
-        self.read_now(slot, len)
+    fn read(
+        &self,
+        rows: Range<usize>,
+        slot: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor), KvError> {
+        self.read_now(rows, slot, len)
     }
 
-    fn as_stored(&self, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
-        self.as_stored_now(x, usize::from(!keys))
+    fn adopt_row(
+        &mut self,
+        src: &dyn Planes,
+        src_row: usize,
+        dst_row: usize,
+    ) -> Result<(), KvError> {
+        let src = self.same_kind(src)?;
+        let (Some(t), Some(from)) = (&mut self.turbo, &src.turbo) else {
+            return Ok(());
+        };
+        t.host.adopt_row(from.host.as_ref(), src_row, dst_row)?;
+        self.refresh_tables()
     }
 
-    fn fit_key_prep(&mut self, k: &Tensor, prep: TurboPrep) -> Result<(), KvError> {
+    fn copy_from(
+        &mut self,
+        src: &dyn Planes,
+        src_row: usize,
+        src_slot: usize,
+        dst_row: usize,
+        dst_slot: usize,
+        len: usize,
+    ) -> Result<(), KvError> {
+        let src = self.same_kind(src)?;
+        if len == 0 {
+            return Ok(());
+        }
+        src.check_rows(&(src_row..src_row + 1), "copy from")?;
+        self.check_rows(&(dst_row..dst_row + 1), "copy into")?;
+        src.check_slots(src_slot, len, "copy from")?;
+        self.check_slots(dst_slot, len, "copy into")?;
+        let heads = self.geometry.heads;
+        let from = src.planes()?;
+        let (s_cap, words) = (from.capacity, [self.words(0), self.words(1)]);
+        let k = self.kernels.clone();
+        let to = self
+            .planes
+            .as_mut()
+            .ok_or_else(|| KvError::Device("copy before reserve".into()))?;
+        let d_cap = to.capacity;
+        let mut run = || -> anyhow::Result<()> {
+            for (src, dst, per) in [
+                (&from.k, &mut to.k, words[0].0),
+                (&from.kp, &mut to.kp, words[0].1),
+                (&from.v, &mut to.v, words[1].0),
+                (&from.vp, &mut to.vp, words[1].1),
+            ] {
+                if per == 0 {
+                    continue;
+                }
+                // One block per KV head of the row: `len` slots of `per` words each.
+                let s0 = (src_row * heads * s_cap + src_slot) * per;
+                let d0 = (dst_row * heads * d_cap + dst_slot) * per;
+                let src = src.slice(s0..);
+                let mut dst = dst.slice_mut(d0..);
+                let (blocks, n, src_stride, dst_stride) = (
+                    heads as i64,
+                    (len * per) as i64,
+                    (s_cap * per) as i64,
+                    (d_cap * per) as i64,
+                );
+                let mut l = k.read.stream.launch_builder(&k.copy);
+                l.arg(&src)
+                    .arg(&mut dst)
+                    .arg(&blocks)
+                    .arg(&n)
+                    .arg(&src_stride)
+                    .arg(&dst_stride);
+                unsafe { l.launch(grid(heads * len * per))? };
+            }
+            Ok(())
+        };
+        run().map_err(device_error)
+    }
+
+    fn fit_key_prep(
+        &mut self,
+        k: &Tensor,
+        live: &[Range<usize>],
+        prep: TurboPrep,
+    ) -> Result<(), KvError> {
         let Some(t) = &mut self.turbo else {
             return Ok(());
         };
-        t.host.fit_key_prep(k, prep)?;
-        let g = self.geometry;
-        let device = TurboDevice::upload(
-            &self.kernels.read.stream,
-            &t.host.tables(),
-            g.heads,
-            g.head_dim,
-        )
-        .map_err(device_error)?;
-        t.device = Arc::new(device);
-        if let Some(p) = &mut self.planes {
-            p.turbo = Some(t.device.clone());
-        }
-        Ok(())
+        t.host.fit_key_prep(k, live, prep)?;
+        self.refresh_tables()
     }
 
-    fn decode(&self, q: &Tensor, spans: &[(usize, usize)], scale: f32) -> Result<Tensor, KvError> {
+    fn decode(
+        &self,
+        q: &Tensor,
+        rows: &[RowSlots],
+        scale: f32,
+        _isa: Isa,
+    ) -> Result<Option<Tensor>, KvError> {
+        let Some(spans) = rows
+            .iter()
+            .map(|r| r.single_span().map(|s| (s.start, s.end)))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Ok(None);
+        };
+        if self.planes.is_none() || spans.len() != self.geometry.rows {
+            return Ok(None);
+        }
         timed(&self.kernels, self.profile_op(2), || {
-            self.decode_now(q, spans, scale)
+            self.decode_now(q, &spans, scale)
         })
+        .map(Some)
     }
 
     fn chunk(
         &self,
         q: &Tensor,
-        pads: &[usize],
-        start: usize,
+        geometry: &ChunkGeometry,
         scale: f32,
+        _isa: Isa,
     ) -> Result<Option<Tensor>, KvError> {
-        self.chunk_now(q, pads, start, scale)
+        let Some(start) = geometry.aligned() else {
+            return Ok(None);
+        };
+        let fused = geometry.window.is_none()
+            && geometry.slots == start + geometry.queries
+            && geometry.rows.len() == self.geometry.rows
+            && q.dims4()?.2 == geometry.queries
+            && geometry.slots <= self.capacity();
+        if !fused || self.planes.is_none() {
+            return Ok(None);
+        }
+        let pads: Vec<usize> = geometry.rows.iter().map(|r| r.pad).collect();
+        self.chunk_now(q, &pads, start, scale)
     }
 
     fn allocated_bytes(&self) -> usize {
@@ -638,6 +950,150 @@ impl DevicePlanes for CudaPlanes {
         let ((wk, pk), (wv, pv)) = (self.words(0), self.words(1));
         self.geometry.heads * 4 * (wk + pk + wv + pv)
     }
+
+    fn state(&self) -> Result<PlanesState, KvError> {
+        let capacity = self.capacity();
+        let sizes = self.state_words(capacity);
+        let s = &self.kernels.read.stream;
+        let mut planes = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+        if let Some(p) = &self.planes {
+            for (i, x) in [&p.k, &p.kp, &p.v, &p.vp].into_iter().enumerate() {
+                if sizes[i] > 0 {
+                    planes[i] = s.clone_dtoh(&x.slice(..sizes[i])).map_err(device_error)?;
+                }
+            }
+            s.synchronize().map_err(device_error)?;
+        }
+        let [k, kp, v, vp] = planes;
+        let buffers = match self.gpu {
+            GpuCodec::Bf16 => vec![word_bytes(&k), word_bytes(&v)],
+            GpuCodec::Affine { .. } => vec![
+                word_bytes(&k),
+                word_bytes(&kp),
+                word_bytes(&v),
+                word_bytes(&vp),
+            ],
+            GpuCodec::Turbo { .. } => {
+                let t = self.turbo.as_ref().expect("turbo planes keep their tables");
+                let tables = host_tables(t.host.as_ref())?;
+                vec![
+                    word_bytes(&k),
+                    norms_to_f16_bytes(&kp),
+                    word_bytes(&v),
+                    norms_to_f16_bytes(&vp),
+                    tables
+                        .key_mean
+                        .as_deref()
+                        .map(f32_bytes)
+                        .unwrap_or_default(),
+                    tables
+                        .key_scale
+                        .as_deref()
+                        .map(f32_bytes)
+                        .unwrap_or_default(),
+                ]
+            }
+        };
+        Ok(PlanesState {
+            codec: self.codec(),
+            geometry: self.geometry,
+            capacity,
+            buffers,
+        })
+    }
+
+    fn restore(&mut self, state: &PlanesState) -> Result<(), KvError> {
+        let count = match self.gpu {
+            GpuCodec::Bf16 => 2,
+            GpuCodec::Affine { .. } => 4,
+            GpuCodec::Turbo { .. } => 6,
+        };
+        if state.codec != self.codec()
+            || state.geometry != self.geometry
+            || state.buffers.len() != count
+        {
+            return Err(KvError::BadState(format!(
+                "CUDA planes of {} {:?} given a state of {} {:?} with {} buffers",
+                self.codec(),
+                self.geometry,
+                state.codec,
+                state.geometry,
+                state.buffers.len()
+            )));
+        }
+        let capacity = state.capacity;
+        let [nk, nkp, nv, nvp] = self.state_words(capacity);
+        let b = &state.buffers;
+        let (k, kp, v, vp) = match self.gpu {
+            GpuCodec::Bf16 => (
+                bytes_words(&b[0], nk, "bf16 keys")?,
+                Vec::new(),
+                bytes_words(&b[1], nv, "bf16 values")?,
+                Vec::new(),
+            ),
+            GpuCodec::Affine { .. } => (
+                bytes_words(&b[0], nk, "affine key codes")?,
+                bytes_words(&b[1], nkp, "affine key parameters")?,
+                bytes_words(&b[2], nv, "affine value codes")?,
+                bytes_words(&b[3], nvp, "affine value parameters")?,
+            ),
+            GpuCodec::Turbo { .. } => (
+                bytes_words(&b[0], nk, "turbo key codes")?,
+                f16_bytes_to_norms(&b[1], nkp, "turbo key norms")?,
+                bytes_words(&b[2], nv, "turbo value codes")?,
+                f16_bytes_to_norms(&b[3], nvp, "turbo value norms")?,
+            ),
+        };
+        if let Some(t) = &mut self.turbo {
+            // The host planes hold no slots: only the key preparation travels to them.
+            t.host.restore(&PlanesState {
+                codec: state.codec,
+                geometry: state.geometry,
+                capacity: 0,
+                buffers: vec![
+                    Vec::new(),
+                    Vec::new(),
+                    Vec::new(),
+                    Vec::new(),
+                    b[4].clone(),
+                    b[5].clone(),
+                ],
+            })?;
+            t.device = Arc::new(upload_tables(
+                &self.kernels,
+                t.host.as_ref(),
+                self.geometry,
+            )?);
+        }
+        if capacity == 0 {
+            self.planes = None;
+            return Ok(());
+        }
+        let mut planes = self.alloc(capacity).map_err(device_error)?;
+        let s = &self.kernels.read.stream;
+        let mut upload = || -> anyhow::Result<()> {
+            for (host, dev) in [
+                (&k, &mut planes.k),
+                (&kp, &mut planes.kp),
+                (&v, &mut planes.v),
+                (&vp, &mut planes.vp),
+            ] {
+                if !host.is_empty() {
+                    s.memcpy_htod(host.as_slice(), dev)?;
+                }
+            }
+            // The host vectors are freed on return: the copies must have been made.
+            s.synchronize()?;
+            Ok(())
+        };
+        upload().map_err(device_error)?;
+        self.planes = Some(planes);
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }
 
 impl CudaPlanes {
@@ -645,49 +1101,71 @@ impl CudaPlanes {
         base + usize::from(self.gpu != GpuCodec::Bf16)
     }
 
-    fn write_now(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+    fn write_now(
+        &mut self,
+        rows: Range<usize>,
+        slot: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), KvError> {
+        self.check_rows(&rows, "write")?;
+        let (kr, kh, n, _) = k.dims4()?;
+        let (vr, vh, vn, _) = v.dims4()?;
+        if kr != rows.len() || vr != rows.len() || kh != self.geometry.heads || vh != kh || vn != n
+        {
+            return Err(KvError::Device(format!(
+                "a CUDA write into rows {rows:?} of {:?} given keys {:?} and values {:?}",
+                self.geometry,
+                k.dims(),
+                v.dims()
+            )));
+        }
+        self.check_slots(slot, n, "write")?;
+        if rows.is_empty() || n == 0 {
+            return Ok(());
+        }
         let mut planes = self
             .planes
             .take()
             .ok_or_else(|| KvError::Device("write before reserve".into()))?;
         let cap = planes.capacity;
+        let row0 = rows.start;
         let done = self
-            .encode(k, &mut planes.k, &mut planes.kp, cap, slot, 0)
-            .and_then(|_| self.encode(v, &mut planes.v, &mut planes.vp, cap, slot, 1));
+            .encode(k, &mut planes.k, &mut planes.kp, cap, slot, 0, row0)
+            .and_then(|_| self.encode(v, &mut planes.v, &mut planes.vp, cap, slot, 1, row0));
         self.planes = Some(planes);
         done
     }
 
-    fn read_now(&self, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
-        let p = self.planes()?;
+    fn read_now(
+        &self,
+        rows: Range<usize>,
+        slot: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor), KvError> {
+        self.check_rows(&rows, "read")?;
         let g = self.geometry;
-        let shape = [g.rows, g.heads, len, g.head_dim];
-        let k = self.decode_slots(&p.k, &p.kp, self.blocks(), p.capacity, slot, len, 0)?;
-        let v = self.decode_slots(&p.v, &p.vp, self.blocks(), p.capacity, slot, len, 1)?;
+        let shape = [rows.len(), g.heads, len, g.head_dim];
+        if rows.is_empty() || len == 0 {
+            let device = Device::Cuda(self.kernels.device.clone());
+            let zeros = Tensor::zeros(shape.as_slice(), DType::F32, &device)?;
+            let vshape = [rows.len(), g.heads, len, g.value_dim];
+            return Ok((
+                zeros,
+                Tensor::zeros(vshape.as_slice(), DType::F32, &device)?,
+            ));
+        }
+        self.check_slots(slot, len, "read")?;
+        let p = self.planes()?;
+        let k = self.decode_slots(&p.k, &p.kp, rows.clone(), p.capacity, slot, len, 0)?;
+        let v = self.decode_slots(&p.v, &p.vp, rows, p.capacity, slot, len, 1)?;
         Ok((
             wrap(&self.kernels, k, &shape),
             wrap(&self.kernels, v, &shape),
         ))
     }
 
-    /// `x` encoded into a scratch plane of `plane`'s codec and decoded back.
-    fn as_stored_now(&self, x: &Tensor, plane: usize) -> Result<Tensor, KvError> {
-        let (b, h, n, d) = x.dims4()?;
-        let (w, p) = self.words(plane);
-        let s = &self.kernels.read.stream;
-        let scratch = || -> anyhow::Result<(CudaSlice<u32>, CudaSlice<u32>)> {
-            Ok((
-                s.alloc_zeros::<u32>((b * h * n * w).max(1))?,
-                s.alloc_zeros::<u32>((b * h * n * p).max(1))?,
-            ))
-        };
-        let (mut codes, mut params) = scratch().map_err(device_error)?;
-        self.encode(x, &mut codes, &mut params, n, 0, plane)?;
-        let out = self.decode_slots(&codes, &params, b * h, n, 0, n, plane)?;
-        Ok(wrap(&self.kernels, out, &[b, h, n, d]))
-    }
-
-    /// The fused chunk read where this codec and shape have one (see `DevicePlanes::chunk`).
+    /// The fused chunk read where this codec and shape have one (see `Planes::chunk`).
     fn chunk_now(
         &self,
         q: &Tensor,
@@ -708,7 +1186,7 @@ impl CudaPlanes {
         let served = geo.value_dim == geo.head_dim
             && g <= 8
             && k.read.has_chunk(self.gpu, d, g).map_err(device_error)?;
-        if !served {
+        if !served || b * qh * n == 0 {
             return Ok(None);
         }
         let planes = self.planes()?;

@@ -75,18 +75,20 @@ pub struct TurboDevice {
     pub signs: CudaSlice<f32>,
     /// Levels per plane (2^bits).
     pub counts: [usize; 2],
-    /// Bit 0: keys centred on `mean`; bit 1: keys divided by `scale` (both (heads, d);
-    /// zeros and ones where not fitted, so the query side can always multiply by `scale`).
+    /// Bit 0: keys centred on `mean`; bit 1: keys divided by `scale` (both (blocks, d),
+    /// block = row · kv_heads + head, as the planes' blocks; zeros and ones where not
+    /// fitted, so the query side can always multiply by `scale`).
     pub prep: i32,
     pub mean: CudaSlice<f32>,
     pub scale: CudaSlice<f32>,
 }
 
 impl TurboDevice {
+    /// The tables of planes of `blocks` (rows · kv_heads) vectors per slot, of width `d`.
     pub fn upload(
         stream: &Arc<CudaStream>,
-        t: &tessera_kv::turbo_planes::TurboTables,
-        heads: usize,
+        t: &tessera_kv::planes::TurboTables,
+        blocks: usize,
         d: usize,
     ) -> Result<Self> {
         let padded = |x: &[Vec<f32>; 2]| -> Vec<f32> {
@@ -103,14 +105,22 @@ impl TurboDevice {
             );
         }
         let prep = i32::from(t.key_mean.is_some()) | (i32::from(t.key_scale.is_some()) << 1);
-        let mean = t.key_mean.clone().unwrap_or_else(|| vec![0.0; heads * d]);
-        let scale = t.key_scale.clone().unwrap_or_else(|| vec![1.0; heads * d]);
-        if mean.len() != heads * d || scale.len() != heads * d {
-            bail!(
-                "turbo key preparation of {} values for {heads} heads of {d}",
-                mean.len()
-            );
-        }
+        // One element at least: a launch needs a valid pointer even for no rows.
+        let table = |x: &Option<Vec<f32>>, fill: f32, what: &str| -> Result<Vec<f32>> {
+            match x {
+                None => Ok(vec![fill; (blocks * d).max(1)]),
+                Some(x) if x.len() != blocks * d => {
+                    bail!(
+                        "turbo key {what} of {} values for {blocks} blocks of {d}",
+                        x.len()
+                    )
+                }
+                Some(x) if x.is_empty() => Ok(vec![fill]),
+                Some(x) => Ok(x.clone()),
+            }
+        };
+        let mean = table(&t.key_mean, 0.0, "mean")?;
+        let scale = table(&t.key_scale, 1.0, "scale")?;
         Ok(TurboDevice {
             levels: stream.clone_htod(&padded(&t.levels))?,
             thresholds: stream.clone_htod(&padded(&t.thresholds))?,
@@ -389,12 +399,11 @@ impl DecodeRead {
         self.fill(&mut vp, seed ^ 0x3333, 2)?;
         let turbo = match codec {
             GpuCodec::Turbo { kbits, vbits } => {
-                let host =
-                    tessera_kv::turbo_planes::TurboPlanes::new(kbits, vbits, 1, kv_heads, d, d);
+                let host = tessera_kv::planes::TurboPlanes::new(kbits, vbits, 1, kv_heads, d, d);
                 Some(Arc::new(TurboDevice::upload(
                     &self.stream,
                     &host.tables(),
-                    kv_heads,
+                    batch * kv_heads,
                     d,
                 )?))
             }
@@ -548,11 +557,7 @@ impl DecodeRead {
                 // SAFETY: the rotation writes every element before the read uses it.
                 let mut qr = unsafe { self.stream.alloc::<f32>(vectors * planes.d)? };
                 let mut b = self.stream.launch_builder(rotate);
-                b.arg(q)
-                    .arg(&mut qr)
-                    .arg(&t.scale)
-                    .arg(&t.signs)
-                    .arg(&kv_heads);
+                b.arg(q).arg(&mut qr).arg(&t.scale).arg(&t.signs);
                 unsafe { b.launch(per_vector(vectors))? };
                 Some(qr)
             }

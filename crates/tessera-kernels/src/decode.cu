@@ -1309,15 +1309,16 @@ __device__ __forceinline__ void fwht_block(float* x) {
 }
 
 // q (vectors, D) of a layout (row, kv_heads * G, D) into qr = R(q ∘ s), s the key scales
-// of the vector's KV head (`scale` (kv_heads, D)), R = H · diag(signs) / √D.
+// of the vector's row and KV head (`scale` (rows * kv_heads, D), block row * kv_heads +
+// head = vec / G), R = H · diag(signs) / √D.
 extern "C" __global__ void __launch_bounds__(D)
 turbo_rotate_queries(const float* __restrict__ q, float* __restrict__ qr,
-                     const float* __restrict__ scale, const float* __restrict__ signs,
-                     int kv_heads) {
+                     const float* __restrict__ scale, const float* __restrict__ signs) {
     __shared__ float x[D];
     const long vec = blockIdx.x;
-    const int i = threadIdx.x, head = (int)((vec / G) % kv_heads);
-    x[i] = q[vec * D + i] * scale[head * D + i] * signs[i];
+    const int i = threadIdx.x;
+    const long block = vec / G;
+    x[i] = q[vec * D + i] * scale[block * D + i] * signs[i];
     fwht_block(x);
     qr[vec * D + i] = x[i] * (1.f / sqrtf((float)D));
 }

@@ -173,8 +173,9 @@ __device__ __forceinline__ void fwht_block(float* x, int d) {
 // 1 / √d as the CPU computes it.
 __device__ __forceinline__ float inv_sqrt(int d) { return __fdiv_rn(1.f, __fsqrt_rn((float)d)); }
 
-// Turbo planes' keys carry a fitted preparation (`prep` bit 0: a mean per KV head
-// subtracted, bit 1: per-channel scales divided out; `mean` and `scale` (heads, d)).
+// Turbo planes' keys carry a fitted preparation, per row and KV head (`prep` bit 0: a
+// mean subtracted, bit 1: per-channel scales divided out; `mean` and `scale` (blocks, d),
+// block-major like the codes: the host passes them from the launch's first block on).
 
 // x (blocks, n, d) f32 into slots [slot, slot + n) of a turbo plane of `cap` slots: per
 // vector (a block of d threads, d a power of two ≤ 256) the bf16-rounded input, prepared,
@@ -186,18 +187,18 @@ extern "C" __global__ void turbo_encode(const float* __restrict__ x, u32* __rest
                                         int cap, int slot, int bits,
                                         const float* __restrict__ signs,
                                         const float* __restrict__ thresholds, int levels,
-                                        int heads, int prep, const float* __restrict__ mean,
+                                        int prep, const float* __restrict__ mean,
                                         const float* __restrict__ scale) {
     __shared__ float u[256];
     __shared__ unsigned char c[256];
     __shared__ float norm_sh;
     const int i = threadIdx.x;
     for (long row = blockIdx.x; row < blocks * n; row += gridDim.x) {
-        const int head = (int)((row / n) % heads);
-        const long dst = (row / n) * cap + slot + row % n;
+        const long block = row / n;
+        const long dst = block * cap + slot + row % n;
         float v = bf16_to_f32(f32_to_bf16(x[row * d + i]));
-        if (prep & 1) v = __fsub_rn(v, mean[head * d + i]);
-        if (prep & 2) v = __fdiv_rn(v, scale[head * d + i]);
+        if (prep & 1) v = __fsub_rn(v, mean[block * d + i]);
+        if (prep & 2) v = __fdiv_rn(v, scale[block * d + i]);
         u[i] = v;
         __syncthreads();
         if (i == 0) {
@@ -237,14 +238,13 @@ extern "C" __global__ void turbo_decode_rows(const u32* __restrict__ codes,
                                              float* __restrict__ out, long blocks, int len,
                                              int d, int cap, int slot, int bits,
                                              const float* __restrict__ signs,
-                                             const float* __restrict__ levels, int heads,
+                                             const float* __restrict__ levels,
                                              int prep, const float* __restrict__ mean,
                                              const float* __restrict__ scale) {
     __shared__ float x[256];
     const int i = threadIdx.x;
     for (long row = blockIdx.x; row < blocks * len; row += gridDim.x) {
         const long block = row / len;
-        const int head = (int)(block % heads);
         const long src = block * cap + slot + row % len;
         const u32* words = codes + src * (d * bits / 32);
         const long bit = (long)i * bits;
@@ -254,8 +254,8 @@ extern "C" __global__ void turbo_decode_rows(const u32* __restrict__ codes,
         x[i] = __fmul_rn(f16_to_f32(norms[src] & 0xffff), levels[code]);
         fwht_block(x, d);
         float v = __fmul_rn(x[i], __fmul_rn(signs[i], inv_sqrt(d)));
-        if (prep & 2) v = __fmul_rn(v, scale[head * d + i]);
-        if (prep & 1) v = __fadd_rn(v, mean[head * d + i]);
+        if (prep & 2) v = __fmul_rn(v, scale[block * d + i]);
+        if (prep & 1) v = __fadd_rn(v, mean[block * d + i]);
         out[row * d + i] = v;
         __syncthreads();
     }

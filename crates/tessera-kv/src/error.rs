@@ -76,6 +76,33 @@ pub enum KvError {
     #[error("device kernel failed: {0}")]
     Device(String),
 
+    #[error("layer {layer}: row {row} cannot roll back to {wanted} positions: its sliding window of {window} needs position {needed}, but the ring (of {slots} slots) has overwritten everything before {held}; give the cache round slack (KvCache::with_round_slack) of at least the longest round")]
+    RingOverwritten {
+        layer: usize,
+        row: usize,
+        wanted: usize,
+        window: usize,
+        slots: usize,
+        needed: usize,
+        held: usize,
+    },
+
+    #[error("row operation: {0}")]
+    Rows(String),
+
+    #[error("planes of {expected} cannot take codes of {got}")]
+    CodecMismatch { expected: String, got: String },
+
+    #[error("layer {layer}: the {read} read is not served by {codec} storage (only plain storage serves it)")]
+    ReadNotServed {
+        layer: usize,
+        read: &'static str,
+        codec: String,
+    },
+
+    #[error("bad cache state: {0}")]
+    BadState(String),
+
     #[error("tensor operation failed: {0}")]
     Tensor(#[from] candle_core::Error),
 }

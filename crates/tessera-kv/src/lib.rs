@@ -16,29 +16,25 @@
 //! [`KvCache`] holds one [`LayerCache`] per model layer, built from the model's
 //! [`LayerSpec`]s and a [`KvScheme`].
 
-pub mod affine;
-mod affine_chunk;
-mod affine_decode;
-pub mod affine_planes;
 mod cache;
-mod decode;
-pub mod device;
+pub mod codec;
 mod error;
 mod isa;
-pub mod plain;
+mod layer;
+pub mod planes;
 mod read;
+mod retention;
 pub mod rows;
 mod scheme;
-pub mod turbo;
-mod turbo_decode;
-pub mod turbo_planes;
-mod turbo_prep;
+mod state;
 
-pub use cache::{AttentionCache, KvCache, LayerCache};
+pub use cache::{sliding_notice, KvCache};
 pub use error::KvError;
 pub use isa::Isa;
+pub use layer::{AttentionCache, DonorRows, LayerCache};
 pub use read::AttentionRead;
 pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep};
+pub use state::{CacheState, LayerState, STATE_VERSION};
 
 /// Capacity of full-retention storage grows in steps of this many positions, so that
 /// appends do not reallocate the whole cache every token.

@@ -1,31 +1,47 @@
 //! Rows: the codec-agnostic batch bookkeeping of the reference design's `KvTensorRows`.
 //!
-//! Rows of a batch share one physical token axis. A row whose prompt is shorter than the
-//! longest is left padded: its first `left_pad[row]` physical positions hold padding that no
-//! query may attend. Row `r` therefore holds `end - left_pad[r]` real positions, and its next
-//! token has RoPE position `end - left_pad[r]`. Rows never encode or decode keys and values.
+//! Row `r` of a batch starts with `left_pad[r]` padding positions that no query may attend
+//! (a left-padded prompt's first append writes them), then its real positions, up to its
+//! physical end `ends[r]`, where its next append is written. It holds `ends[r] − left_pad[r]`
+//! real positions: its next token's RoPE position. Rows have their own ends (a speculative
+//! rollback keeps a different count per row); the width of the batch is the largest end. `held_from[r]` is the oldest position row `r`
+//! still stores (a ring evicts; a rollback does not bring evicted positions back). Rows
+//! never encode or decode keys and values.
 
 use crate::KvError;
-use candle_core::{Device, Tensor};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rows {
     left_pad: Vec<usize>,
-    end: usize,
+    ends: Vec<usize>,
+    held_from: Vec<usize>,
+    /// Each row's end when the open speculative round began.
+    round: Option<Vec<usize>>,
 }
 
 impl Rows {
     pub fn new(left_pad: Vec<usize>) -> Self {
-        Rows { left_pad, end: 0 }
+        let rows = left_pad.len();
+        Rows {
+            held_from: left_pad.clone(),
+            left_pad,
+            ends: vec![0; rows],
+            round: None,
+        }
+    }
+
+    /// Rows with the given padding, ends and oldest held positions.
+    pub(crate) fn from_parts(left_pad: Vec<usize>, ends: Vec<usize>, held_from: Vec<usize>) -> Self {
+        Rows {
+            left_pad,
+            ends,
+            held_from,
+            round: None,
+        }
     }
 
     pub fn batch(&self) -> usize {
         self.left_pad.len()
-    }
-
-    /// Physical positions appended so far (padding included), shared by every row.
-    pub fn end(&self) -> usize {
-        self.end
     }
 
     pub fn left_pad(&self) -> &[usize] {
@@ -34,61 +50,63 @@ impl Rows {
 
     /// Real positions each row holds: the RoPE position of its next token.
     pub fn offsets(&self) -> Vec<usize> {
-        self.left_pad
+        self.ends
             .iter()
-            .map(|&p| self.end.saturating_sub(p))
+            .zip(&self.left_pad)
+            .map(|(e, p)| e.saturating_sub(*p))
             .collect()
     }
 
-    pub(crate) fn advance(&mut self, n: usize) {
-        self.end += n;
+    pub fn held_from(&self) -> &[usize] {
+        &self.held_from
     }
 
-    pub(crate) fn retreat(&mut self, n: usize) {
-        self.end -= n;
+    /// Row `row`'s physical end: where its next position is written.
+    pub fn end_of(&self, row: usize) -> usize {
+        self.ends[row]
     }
 
-    /// Additive attention mask `(rows, 1, n, keys)` for `n` queries at physical positions
-    /// `self.end() ..`, against keys at physical positions `key_positions`: causal, padding
-    /// excluded, and (for sliding layers) only keys less than `window` positions back.
-    /// `None` when every query may see every key. A query on a padding position would see
-    /// no key at all; it is let see itself so its (discarded) output stays finite.
-    pub fn mask(
-        &self,
-        n: usize,
-        key_positions: &[usize],
-        window: Option<usize>,
-        device: &Device,
-    ) -> Result<Option<Tensor>, KvError> {
-        let s = key_positions.len();
-        let b = self.batch();
-        let mut data = vec![0f32; b * n * s];
-        let mut any_masked = false;
-        for (row, &pad) in self.left_pad.iter().enumerate() {
-            for i in 0..n {
-                let q = self.end + i;
-                let line = &mut data[(row * n + i) * s..(row * n + i + 1) * s];
-                let mut any_visible = false;
-                for (j, &k) in key_positions.iter().enumerate() {
-                    let visible = k <= q && k >= pad && window.map_or(true, |w| q - k < w);
-                    if visible {
-                        any_visible = true;
-                    } else {
-                        line[j] = f32::NEG_INFINITY;
-                        any_masked = true;
-                    }
-                }
-                if !any_visible {
-                    if let Some(j) = key_positions.iter().position(|&k| k == q) {
-                        line[j] = 0.0;
-                    }
-                }
-            }
+    pub fn ends(&self) -> Vec<usize> {
+        self.ends.clone()
+    }
+
+    /// Physical positions the batch spans: the largest row end.
+    pub fn width(&self) -> usize {
+        self.ends.iter().max().copied().unwrap_or(0)
+    }
+
+    /// The ends when the open round began, if one is open.
+    pub fn round(&self) -> Option<&[usize]> {
+        self.round.as_deref()
+    }
+
+    /// Every row advanced by `n` positions; `ring` slots hold a row's latest positions.
+    pub(crate) fn advance(&mut self, n: usize, ring: usize) {
+        for r in 0..self.batch() {
+            self.ends[r] += n;
+            self.held_from[r] = self.held_from[r].max(self.ends[r].saturating_sub(ring));
         }
-        if !any_masked {
-            return Ok(None);
+    }
+
+    /// Sets each row's end (a trim or rollback; checked by the caller).
+    pub(crate) fn set_ends(&mut self, ends: Vec<usize>) {
+        self.ends = ends;
+    }
+
+    pub(crate) fn begin_round(&mut self) -> Result<(), KvError> {
+        if self.round.is_some() {
+            return Err(KvError::Rows("a speculative round is already open".into()));
         }
-        Ok(Some(Tensor::from_vec(data, (b, 1, n, s), device)?))
+        self.round = Some(self.ends.clone());
+        Ok(())
+    }
+
+    pub(crate) fn end_round(&mut self) {
+        self.round = None;
+    }
+
+    pub(crate) fn restore_round(&mut self, round: Option<Vec<usize>>) {
+        self.round = round;
     }
 }
 
@@ -97,31 +115,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mask_excludes_padding_future_and_out_of_window() {
+    fn ends_width_and_eviction() {
         let mut rows = Rows::new(vec![0, 2]);
-        rows.advance(3); // physical positions 0,1,2 held; row 1's first two are padding
-        let keys: Vec<usize> = (0..5).collect();
-        let m = rows.mask(2, &keys, Some(3), &Device::Cpu).unwrap().unwrap();
-        let m: Vec<f32> = m.flatten_all().unwrap().to_vec1().unwrap();
-        let vis = |row: usize, i: usize, j: usize| m[(row * 2 + i) * 5 + j] == 0.0;
-        // Row 0, query at position 3, window 3: sees 1,2,3.
-        assert_eq!(
-            (0..5).map(|j| vis(0, 0, j)).collect::<Vec<_>>(),
-            [false, true, true, true, false]
-        );
-        // Row 1, query at position 4: sees 2,3,4 (0 and 1 are padding anyway).
-        assert_eq!(
-            (0..5).map(|j| vis(1, 1, j)).collect::<Vec<_>>(),
-            [false, false, true, true, true]
-        );
-        assert_eq!(rows.offsets(), vec![3, 1]);
-    }
-
-    #[test]
-    fn unmasked_decode_needs_no_mask() {
-        let mut rows = Rows::new(vec![0]);
-        rows.advance(4);
-        let keys: Vec<usize> = (0..5).collect();
-        assert!(rows.mask(1, &keys, None, &Device::Cpu).unwrap().is_none());
+        rows.advance(5, usize::MAX);
+        assert_eq!(rows.ends(), vec![5, 5]);
+        assert_eq!(rows.width(), 5);
+        assert_eq!(rows.offsets(), vec![5, 3]);
+        assert_eq!(rows.held_from(), &[0, 2]);
+        // A ring of 4 slots: both rows (end 7) have evicted positions before 3.
+        rows.advance(2, 4);
+        assert_eq!(rows.held_from(), &[3, 3]);
     }
 }

@@ -42,10 +42,10 @@ impl PlainDType {
 pub enum Codec {
     /// Keys and values stored as they come, in one float dtype.
     Plain(PlainDType),
-    /// Affine-quantized (mlx's layout and rounding; see [`crate::affine`]), held in bf16
+    /// Affine-quantized (mlx's layout and rounding; see [`crate::codec::affine`]), held in bf16
     /// until the layer holds `quantized_kv_start` positions.
     Affine { bits: u8, group: u16 },
-    /// TurboQuant (see [`crate::turbo`]): per vector a norm and the Lloyd–Max codes of its
+    /// TurboQuant (see [`crate::codec::turbo`]): per vector a norm and the Lloyd–Max codes of its
     /// rotated coordinates, `kbits` for keys and `vbits` for values; bf16-first like affine.
     /// `prep`: what is fitted per layer at conversion and applied before encoding.
     Turbo {
@@ -206,8 +206,8 @@ impl Codec {
                     Some(g) => g.parse().map_err(|_| unknown())?,
                     None => 64,
                 };
-                if !crate::affine::AFFINE_BITS.contains(&(bits.min(255) as u8))
-                    || !crate::affine::AFFINE_GROUPS.contains(&(group.min(65535) as u16))
+                if !crate::codec::affine::AFFINE_BITS.contains(&(bits.min(255) as u8))
+                    || !crate::codec::affine::AFFINE_GROUPS.contains(&(group.min(65535) as u16))
                 {
                     return Err(KvError::UnsupportedAffine { bits, group });
                 }

@@ -839,13 +839,14 @@ impl Decoder {
                 rows: cache.batch(),
             }));
         }
-        // Row r's next token has RoPE position end - left_pad[r]. Padding positions precede a
-        // row's real tokens; any position works for them since no real query attends them.
-        let end = cache.end();
+        // Each row's positions are written at its own physical end; a position's RoPE
+        // position is its physical position less the row's left padding (padding positions,
+        // which no real query attends, all take 0).
         let positions: Vec<Vec<usize>> = cache
-            .left_pad()
+            .ends()
             .iter()
-            .map(|&pad| (end..end + n).map(|p| p.saturating_sub(pad)).collect())
+            .zip(cache.left_pad())
+            .map(|(&end, &pad)| (end..end + n).map(|p| p.saturating_sub(pad)).collect())
             .collect();
         let (local, global) = self.ropes(&positions)?;
         let mut x = self.embed(tokens)?;

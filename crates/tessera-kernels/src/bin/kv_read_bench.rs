@@ -23,9 +23,9 @@
 use anyhow::{bail, Result};
 use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaSlice};
 use candle_core::{Device, Tensor};
-use half::{bf16, f16};
+use half::bf16;
 use tessera_kernels::cuda::{DecodeRead, GpuCodec, GpuPlanes, Variant};
-use tessera_kv::affine_planes::AffinePlanes;
+use tessera_kv::planes::{AffinePlanes, Planes};
 
 /// Every parity comparison's outcome.
 #[derive(Default)]
@@ -93,20 +93,23 @@ fn store(
         }
         GpuCodec::Affine { bits, group } => {
             let mut planes = AffinePlanes::new(bits, group, b, h, d, d);
-            planes.reserve(n, n);
+            Planes::reserve(&mut planes, n, n)?;
             let kt = Tensor::from_vec(k.to_vec(), shape, &Device::Cpu)?;
             let vt = Tensor::from_vec(v.to_vec(), shape, &Device::Cpu)?;
-            planes.write(0, &kt, &vt)?;
-            let cap = planes.capacity();
-            let (kd, vd) = planes.read(0, n)?;
-            let [(kc, kp), (vc, vp)] = planes.raw();
-            let pairs = |p: &[f16]| -> Vec<u32> {
-                p.chunks_exact(2)
-                    .map(|x| x[0].to_bits() as u32 | (x[1].to_bits() as u32) << 16)
+            Planes::write(&mut planes, 0..b, 0, &kt, &vt)?;
+            let (kd, vd) = Planes::read(&planes, 0..b, 0, n)?;
+            // The state's buffers: key codes, key (scale, bias) f16 pairs, value codes,
+            // value pairs; a pair's two f16 are the little-endian halves of one device word.
+            let state = Planes::state(&planes)?;
+            let cap = state.capacity;
+            let words = |x: &[u8]| -> Vec<u32> {
+                x.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect()
             };
+            let [kc, kp, vc, vp] = [0, 1, 2, 3].map(|i| words(&state.buffers[i]));
             Ok((
-                [kc.to_vec(), vc.to_vec(), pairs(kp), pairs(vp)],
+                [kc, vc, kp, vp],
                 cap,
                 kd.flatten_all()?.to_vec1()?,
                 vd.flatten_all()?.to_vec1()?,

@@ -1,17 +1,17 @@
-//! The fused decode read of affine storage: the shared decode kernel ([`crate::decode`])
+//! The fused decode read of affine storage: the shared decode kernel ([`crate::read::decode`])
 //! with a tile source that dequantizes positions from the packed codes as it fills a
 //! sub-tile: nothing larger than 32 positions is ever dequantized.
 //!
 //! (Applying scale and bias per group on the fly — `s·(q·c) + β·Σq` — measured slower: it
 //! needs a horizontal sum per group and head.)
 
-use crate::affine_planes::{AffinePlanes, PlaneView};
-use crate::decode::{self, DecodeShape, RowSlots, TileSource};
-use crate::Isa;
+use crate::planes::affine::{AffinePlanes, PlaneView};
+use crate::read::decode::{self, DecodeShape, RowSlots, TileSource};
+use crate::{Isa, KvError};
 use candle_core::Tensor;
 use std::ops::Range;
 
-/// Unpacks `out.len()` codes of `BITS` bits (layout in [`crate::affine`]) as f32 values.
+/// Unpacks `out.len()` codes of `BITS` bits (layout in [`crate::codec::affine`]) as f32 values.
 #[inline(always)]
 pub(crate) fn unpack<const BITS: usize>(words: &[u32], out: &mut [f32]) {
     let mask = (1u32 << BITS) - 1;
@@ -74,7 +74,7 @@ impl<'a> AffineSource<'a> {
     /// orders `prepare_query` and `finish_output` apply are chosen together, here, so they
     /// always agree.
     fn new(planes: &'a AffinePlanes, isa: Isa) -> Self {
-        let (_, d, dv) = planes.geometry();
+        let (_, d, dv) = planes.geometry3();
         #[cfg(target_arch = "x86_64")]
         {
             let bits = planes.bits();
@@ -143,7 +143,7 @@ impl<'a> AffineSource<'a> {
 /// ([`lane_major_order`]); no permute, and each block's scales and biases are one vector.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
-    use crate::affine_planes::PlaneView;
+    use crate::planes::affine::PlaneView;
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -248,7 +248,7 @@ impl TileSource for AffineSource<'_> {
         self.fill(&self.planes.views(block).1, slots, out)
     }
 
-    fn prepare_query(&self, _kv_head: usize, q: &mut [f32]) {
+    fn prepare_query(&self, _block: usize, q: &mut [f32]) {
         if let Some((key_order, _)) = &self.orders {
             let element_order = q.to_vec();
             for (x, &e) in q.iter_mut().zip(key_order) {
@@ -257,7 +257,7 @@ impl TileSource for AffineSource<'_> {
         }
     }
 
-    fn finish_output(&self, _kv_head: usize, out: &mut [f32]) {
+    fn finish_output(&self, _block: usize, out: &mut [f32]) {
         if let Some((_, value_order)) = &self.orders {
             let tile_order = out.to_vec();
             for (&x, &e) in tile_order.iter().zip(value_order) {
@@ -267,8 +267,8 @@ impl TileSource for AffineSource<'_> {
     }
 }
 
-/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over affine `planes`, each row over
-/// its visible slots.
+/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over `planes`, each row over its
+/// visible slots.
 pub(crate) fn attend(
     q: &Tensor,
     planes: &AffinePlanes,
@@ -276,25 +276,21 @@ pub(crate) fn attend(
     s: &DecodeShape,
     scale: f32,
     isa: Isa,
-) -> candle_core::Result<Tensor> {
+) -> Result<Tensor, KvError> {
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
     let source = AffineSource::new(planes, isa);
-    let out = decode::attend_source(&qv, &source, rows, s, scale, isa);
-    Tensor::from_vec(
-        out,
-        (s.rows, s.kv_heads * s.group, 1, s.value_dim),
-        q.device(),
-    )
+    s.output(decode::attend_source(&qv, &source, rows, s, scale, isa), q.device())
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::decode::tests::{random_words, values};
+    use crate::planes::Planes;
+    use crate::read::decode::tests::{random_words, values};
     use candle_core::Device;
 
     /// Code `i` of a little-endian stream of `bits`-bit codes in u32 words (the layout of
-    /// [`crate::affine`]), read one bit at a time.
+    /// [`crate::codec::affine`]), read one bit at a time.
     pub(crate) fn code_bit_by_bit(words: &[u32], i: usize, bits: usize) -> usize {
         (0..bits)
             .map(|b| {
@@ -344,7 +340,7 @@ pub(crate) mod tests {
         let (heads, slots, read) = (2, 6, 1..5);
         let mut wide_runs = 0;
         for isa in Isa::supported() {
-            for bits in crate::affine::AFFINE_BITS {
+            for bits in crate::codec::affine::AFFINE_BITS {
                 for group in [32, 64, 128] {
                     // Wide enough for the 512-bit unpacker at 2, 4 and 8 bits, with one to 16
                     // groups per row (both ways of gathering the parameters).
@@ -353,12 +349,12 @@ pub(crate) mod tests {
                             continue;
                         }
                         let mut planes = AffinePlanes::new(bits, group, 1, heads, d, dv);
-                        planes.reserve(slots, usize::MAX);
+                        planes.reserve(slots, usize::MAX).unwrap();
                         let tensor = |seed, dim| {
                             let x = values(seed, heads * slots * dim);
                             Tensor::from_vec(x, (1, heads, slots, dim), &Device::Cpu).unwrap()
                         };
-                        planes.write(0, &tensor(10, d), &tensor(11, dv)).unwrap();
+                        planes.write(0..1, 0, &tensor(10, d), &tensor(11, dv)).unwrap();
                         let source = AffineSource::new(&planes, isa);
                         // Orders come with the 512-bit unpacker, and only with it.
                         let orders = source.orders.as_ref();

@@ -1,12 +1,13 @@
 //! The fused decode read of TurboQuant storage, on the shared decode kernel
-//! ([`crate::decode`]). Keys and values are decoded in the rotated space (norm × codebook
+//! ([`crate::read::decode`]). Keys and values are decoded in the rotated space (norm × codebook
 //! level per coordinate, no inverse transform per position): the query is rotated once per
 //! read so that `(R q) · (R k) = q · k`, and the softmax-weighted values are accumulated in
 //! the rotated space and inverse-rotated once per output head (the deferred-V read).
 
-use crate::decode::{self, DecodeShape, RowSlots, TileSource};
-use crate::turbo_planes::{TurboPlane, TurboPlanes};
-use crate::Isa;
+use crate::planes::Planes;
+use crate::read::decode::{self, DecodeShape, RowSlots, TileSource};
+use crate::planes::turbo::{TurboPlane, TurboPlanes};
+use crate::{Isa, KvError};
 use candle_core::Tensor;
 use std::ops::Range;
 
@@ -52,8 +53,8 @@ impl TileSource for TurboSource<'_> {
         self.fill(1, block, slots, out)
     }
 
-    fn prepare_query(&self, kv_head: usize, q: &mut [f32]) {
-        self.planes.key_prep().rescale(kv_head, q);
+    fn prepare_query(&self, block: usize, q: &mut [f32]) {
+        self.planes.key_prep().rescale(block, q);
         self.planes.planes().0.rotation().forward(q);
         if let Some(order) = &self.order[0] {
             let rotated = q.to_vec();
@@ -63,7 +64,7 @@ impl TileSource for TurboSource<'_> {
         }
     }
 
-    fn finish_output(&self, _kv_head: usize, out: &mut [f32]) {
+    fn finish_output(&self, _block: usize, out: &mut [f32]) {
         if let Some(order) = &self.order[1] {
             let tile_order = out.to_vec();
             for (&x, &e) in tile_order.iter().zip(order) {
@@ -75,14 +76,14 @@ impl TileSource for TurboSource<'_> {
 }
 
 /// 512-bit decoding of turbo rows. 2- and 4-bit rows: codes unpacked lane-major as in
-/// [`crate::affine_decode`] (16 words per load, no permutes). Other widths (3, 5–8 bits):
+/// [`crate::read::affine_tiles`] (16 words per load, no permutes). Other widths (3, 5–8 bits):
 /// 16 codes at a time in element order, from the `2·bits`-byte window that holds them: the
 /// window broadcast to all four 128-bit lanes, each code's two bytes shuffled into its own
 /// 32-bit lane, shifted and masked. Then the codebook lookup in registers (up to 64
 /// levels; a gather from the table beyond), scaled by the norm.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use crate::turbo_planes::TurboPlane;
+    use crate::planes::turbo::TurboPlane;
     use crate::Isa;
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -208,7 +209,7 @@ pub(crate) fn source(planes: &TurboPlanes, isa: Isa) -> TurboSource<'_> {
         let wide = [x86::available(keys, isa), x86::available(values, isa)];
         let order = |plane: &TurboPlane, wide| {
             (wide == Some(x86::Wide::LaneMajor))
-                .then(|| crate::affine_decode::x86::lane_major_order(plane.dim(), plane.bits()))
+                .then(|| crate::read::affine_tiles::x86::lane_major_order(plane.dim(), plane.bits()))
         };
         TurboSource {
             planes,
@@ -226,8 +227,8 @@ pub(crate) fn source(planes: &TurboPlanes, isa: Isa) -> TurboSource<'_> {
     }
 }
 
-/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over turbo `planes`, each row over
-/// its visible slots.
+/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over `planes`, each row over its
+/// visible slots.
 pub(crate) fn attend(
     q: &Tensor,
     planes: &TurboPlanes,
@@ -235,22 +236,18 @@ pub(crate) fn attend(
     s: &DecodeShape,
     scale: f32,
     isa: Isa,
-) -> candle_core::Result<Tensor> {
+) -> Result<Tensor, KvError> {
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
     let source = source(planes, isa);
-    let out = decode::attend_source(&qv, &source, rows, s, scale, isa);
-    Tensor::from_vec(
-        out,
-        (s.rows, s.kv_heads * s.group, 1, s.value_dim),
-        q.device(),
-    )
+    s.output(decode::attend_source(&qv, &source, rows, s, scale, isa), q.device())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::affine_decode::tests::{assert_permutation, code_bit_by_bit};
-    use crate::decode::tests::values;
+    use crate::planes::Planes;
+    use crate::read::affine_tiles::tests::{assert_permutation, code_bit_by_bit};
+    use crate::read::decode::tests::values;
     use candle_core::Device;
 
     /// The rows a tile source fills (portable `rotated`, 512-bit lane-major or byte-window,
@@ -266,12 +263,12 @@ mod tests {
                 // 256 at 2 and 4 bits and 128 at 4 bits are lane-major; 8 is portable.
                 for (d, dv) in [(256, 128), (64, 8)] {
                     let mut planes = TurboPlanes::new(bits, bits, 1, heads, d, dv);
-                    planes.reserve(slots, usize::MAX);
+                    planes.reserve(slots, usize::MAX).unwrap();
                     let tensor = |seed, dim| {
                         let x = values(seed, heads * slots * dim);
                         Tensor::from_vec(x, (1, heads, slots, dim), &Device::Cpu).unwrap()
                     };
-                    planes.write(0, &tensor(12, d), &tensor(13, dv)).unwrap();
+                    planes.write(0..1, 0, &tensor(12, d), &tensor(13, dv)).unwrap();
                     let tiles = source(&planes, isa);
                     #[cfg(target_arch = "x86_64")]
                     kinds.extend(tiles.wide.into_iter().flatten().map(|w| w as u8));

@@ -6,8 +6,10 @@
 //! KV head (GQA folded) is scored per key load, and values are accumulated with the
 //! accumulators held in registers across positions.
 
-use crate::Isa;
-use candle_core::{CpuStorage, Storage, Tensor};
+pub(crate) use crate::planes::RowSlots;
+use crate::planes::PlaneGeometry;
+use crate::{Isa, KvError};
+use candle_core::{Device, Tensor};
 use std::ops::Range;
 
 /// Element types plain planes hold.
@@ -36,12 +38,6 @@ impl Element for half::f16 {
     }
 }
 
-/// The visible slots of one row: up to two ranges (a ring that wrapped).
-#[derive(Debug, Clone)]
-pub(crate) struct RowSlots {
-    pub ranges: Vec<std::ops::Range<usize>>,
-}
-
 /// Geometry of one fused decode.
 pub(crate) struct DecodeShape {
     pub rows: usize,
@@ -51,6 +47,38 @@ pub(crate) struct DecodeShape {
     pub value_dim: usize,
     /// Slots per (row, head) in the planes.
     pub capacity: usize,
+}
+
+impl DecodeShape {
+    /// The geometry of a decode read of `q` `(rows, q_heads, 1, head_dim)` over planes of
+    /// `geometry` and `capacity` slots, or the error naming the mismatch.
+    pub fn of(q: &Tensor, geometry: PlaneGeometry, capacity: usize) -> Result<Self, KvError> {
+        let (b, qh, n, d) = q.dims4()?;
+        let g = geometry;
+        if b != g.rows || d != g.head_dim || n != 1 || qh % g.heads != 0 {
+            return Err(KvError::QueryShape {
+                got: q.dims().to_vec(),
+                detail: format!("a decode read over planes {g:?}"),
+            });
+        }
+        Ok(DecodeShape {
+            rows: b,
+            kv_heads: g.heads,
+            group: qh / g.heads,
+            head_dim: d,
+            value_dim: g.value_dim,
+            capacity,
+        })
+    }
+
+    /// A kernel's `(rows, kv_heads, group, value_dim)` output as `(rows, q_heads, 1, value_dim)`.
+    pub fn output(&self, out: Vec<f32>, device: &Device) -> Result<Tensor, KvError> {
+        Ok(Tensor::from_vec(
+            out,
+            (self.rows, self.kv_heads * self.group, 1, self.value_dim),
+            device,
+        )?)
+    }
 }
 
 const LANES: usize = 16;
@@ -180,11 +208,11 @@ pub(crate) trait TileSource: Sync {
     /// Maps one query head vector (`head_dim`) into the space the key rows are decoded in
     /// (an order of their own that unpacks faster, a rotation). Linear and orthogonal, so
     /// scores are unchanged. Default: as is.
-    /// `kv_head` is the KV head the query attends.
-    fn prepare_query(&self, _kv_head: usize, _q: &mut [f32]) {}
+    /// `block` is the (row · kv_heads + KV head) the query attends.
+    fn prepare_query(&self, _block: usize, _q: &mut [f32]) {}
     /// Maps one output head vector (`value_dim`) from the space the value rows are decoded
     /// in back to element order, once per read. Default: as is.
-    fn finish_output(&self, _kv_head: usize, _out: &mut [f32]) {}
+    fn finish_output(&self, _block: usize, _out: &mut [f32]) {}
 }
 
 /// Plain planes `(rows, kv_heads, capacity, dim)` of one element type.
@@ -626,7 +654,7 @@ pub(crate) fn attend_source<S: TileSource>(
     let mut q: Vec<f32> = q.iter().map(|x| x * scale).collect();
     q.chunks_exact_mut(d)
         .enumerate()
-        .for_each(|(i, head)| source.prepare_query((i / g) % s.kv_heads, head));
+        .for_each(|(i, head)| source.prepare_query(i / g, head));
     let out = run_pieces(rows, s, |r, h, slots| {
         let block = r * s.kv_heads + h;
         let qh = &q[block * g * d..][..g * d];
@@ -643,51 +671,30 @@ pub(crate) fn attend_source<S: TileSource>(
     let mut out = out;
     out.chunks_exact_mut(dv)
         .enumerate()
-        .for_each(|(i, head)| source.finish_output((i / g) % s.kv_heads, head));
+        .for_each(|(i, head)| source.finish_output(i / g, head));
     out
 }
 
-/// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over plain `keys`/`values` planes
-/// `(rows, kv_heads, capacity, dim)`, each row over its visible slots.
-pub(crate) fn attend(
-    q: &Tensor,
-    keys: &Tensor,
-    values: &Tensor,
+/// Attends `q` (rows × kv_heads × group × head_dim) over plain planes `(rows, kv_heads,
+/// capacity, dim)` of one element type, each row over its visible slots; returns `(rows,
+/// kv_heads, group, value_dim)` row-major.
+pub(crate) fn attend_plain<E: Element>(
+    q: &[f32],
+    keys: &[E],
+    values: &[E],
     rows: &[RowSlots],
     s: &DecodeShape,
     scale: f32,
     isa: Isa,
-) -> candle_core::Result<Tensor> {
-    let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
-    let (ks, kl) = keys.storage_and_layout();
-    let (vs, vl) = values.storage_and_layout();
-    let (ko, vo) = (kl.start_offset(), vl.start_offset());
-    fn source<'a, E>(k: &'a [E], v: &'a [E], s: &DecodeShape) -> PlainSource<'a, E> {
-        PlainSource {
-            keys: k,
-            values: v,
-            capacity: s.capacity,
-            head_dim: s.head_dim,
-            value_dim: s.value_dim,
-        }
-    }
-    let out = match (&*ks, &*vs) {
-        (Storage::Cpu(CpuStorage::BF16(k)), Storage::Cpu(CpuStorage::BF16(v))) => {
-            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale, isa)
-        }
-        (Storage::Cpu(CpuStorage::F16(k)), Storage::Cpu(CpuStorage::F16(v))) => {
-            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale, isa)
-        }
-        (Storage::Cpu(CpuStorage::F32(k)), Storage::Cpu(CpuStorage::F32(v))) => {
-            attend_source(&qv, &source(&k[ko..], &v[vo..], s), rows, s, scale, isa)
-        }
-        _ => candle_core::bail!("fused decode read needs CPU planes of one float type"),
+) -> Vec<f32> {
+    let source = PlainSource {
+        keys,
+        values,
+        capacity: s.capacity,
+        head_dim: s.head_dim,
+        value_dim: s.value_dim,
     };
-    Tensor::from_vec(
-        out,
-        (s.rows, s.kv_heads * s.group, 1, s.value_dim),
-        q.device(),
-    )
+    attend_source(q, &source, rows, s, scale, isa)
 }
 
 #[cfg(test)]

@@ -8,50 +8,16 @@
 //! a running softmax, and its values accumulated with a second product. Items run across the
 //! CPU pool; the products are single-threaded inside an item.
 
-use crate::affine_decode::unpack;
-use crate::affine_planes::{AffinePlanes, PlaneView};
-use crate::decode::TileSource;
+use crate::planes::affine::{AffinePlanes, PlaneView};
+use crate::planes::ChunkGeometry;
+use crate::read::affine_tiles::unpack;
+use crate::read::decode::TileSource;
 use candle_core::Tensor;
 use std::ops::Range;
 
 /// Queries per work item, and key slots per tile. Sized so an item's buffers stay in L2.
 const QUERY_BLOCK: usize = 32;
 const KEY_TILE: usize = 128;
-
-/// Where the read's slots and queries sit in time.
-#[derive(Debug, Clone)]
-pub(crate) struct ChunkGeometry {
-    pub rows: usize,
-    pub kv_heads: usize,
-    /// Query heads per KV head.
-    pub group: usize,
-    pub head_dim: usize,
-    pub value_dim: usize,
-    /// Queries per row, at physical positions `start ..`.
-    pub queries: usize,
-    pub start: usize,
-    /// Slot `j` of the planes holds physical position `first + j`.
-    pub first: usize,
-    /// Slots that hold positions (`first ..= start + queries − 1`).
-    pub slots: usize,
-    pub window: Option<usize>,
-}
-
-impl ChunkGeometry {
-    /// The slots query `i` of a row with `pad` padding positions sees: causal, no padding,
-    /// inside the window. A padding query sees only itself, so its discarded output stays
-    /// finite (as the dense mask does).
-    fn visible(&self, pad: usize, i: usize) -> Range<usize> {
-        let q = self.start + i;
-        let lo = if q < pad {
-            q
-        } else {
-            let w = self.window.map_or(0, |w| (q + 1).saturating_sub(w));
-            pad.max(w).max(self.first)
-        };
-        lo - self.first..q + 1 - self.first
-    }
-}
 
 /// Dequantizes `slots` of one plane block into rows of `dim` f32 values.
 fn dequantize_tile(
@@ -129,7 +95,6 @@ fn attend_block<S: TileSource>(
     q: &[f32],
     source: &S,
     geo: &ChunkGeometry,
-    pad: usize,
     r: usize,
     h: usize,
     i0: usize,
@@ -146,8 +111,8 @@ fn attend_block<S: TileSource>(
         }
     }
     qb.chunks_exact_mut(d)
-        .for_each(|row| source.prepare_query(h, row));
-    let visible: Vec<Range<usize>> = (i0..i0 + len).map(|i| geo.visible(pad, i)).collect();
+        .for_each(|row| source.prepare_query(r * geo.kv_heads + h, row));
+    let visible: Vec<Range<usize>> = (i0..i0 + len).map(|i| geo.visible(r, i)).collect();
     let lo = visible.iter().map(|v| v.start).min().unwrap_or(0);
     let hi = visible.iter().map(|v| v.end).max().unwrap_or(0);
     let block = r * geo.kv_heads + h;
@@ -199,7 +164,7 @@ fn attend_block<S: TileSource>(
             .for_each(|o| *o *= inv);
     }
     acc.chunks_exact_mut(dv)
-        .for_each(|row| source.finish_output(h, row));
+        .for_each(|row| source.finish_output(r * geo.kv_heads + h, row));
     acc
 }
 
@@ -211,7 +176,7 @@ struct AffineTiles<'a> {
 impl TileSource for AffineTiles<'_> {
     fn keys(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
         let (keys, _) = self.planes.views(block);
-        let (_, d, _) = self.planes.geometry();
+        let (_, d, _) = self.planes.geometry3();
         dequantize_tile(
             &keys,
             self.planes.bits(),
@@ -224,7 +189,7 @@ impl TileSource for AffineTiles<'_> {
 
     fn values(&self, block: usize, slots: Range<usize>, out: &mut [f32]) {
         let (_, values) = self.planes.views(block);
-        let (_, _, dv) = self.planes.geometry();
+        let (_, _, dv) = self.planes.geometry3();
         dequantize_tile(
             &values,
             self.planes.bits(),
@@ -241,25 +206,39 @@ impl TileSource for AffineTiles<'_> {
 pub(crate) fn attend(
     q: &Tensor,
     planes: &AffinePlanes,
-    pads: &[usize],
     geo: &ChunkGeometry,
     scale: f32,
 ) -> candle_core::Result<Tensor> {
-    attend_source(q, &AffineTiles { planes }, pads, geo, scale)
+    attend_source(q, &AffineTiles { planes }, geo, scale)
 }
 
 /// The chunk read over any tile source (affine, turbo).
 pub(crate) fn attend_source<S: TileSource>(
     q: &Tensor,
     source: &S,
-    pads: &[usize],
     geo: &ChunkGeometry,
     scale: f32,
 ) -> candle_core::Result<Tensor> {
+    let (b, qh, n, d) = q.dims4()?;
+    if b != geo.rows.len() || d != geo.head_dim || n != geo.queries || qh % geo.kv_heads != 0 {
+        candle_core::bail!(
+            "a chunk read of {} queries over {} rows of {} KV heads, head_dim {}, given queries {:?}",
+            geo.queries,
+            geo.rows.len(),
+            geo.kv_heads,
+            geo.head_dim,
+            q.dims()
+        );
+    }
+    let geo = &ChunkGeometry {
+        group: qh / geo.kv_heads,
+        ..geo.clone()
+    };
+    let rows = geo.rows.len();
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
-    let (g, dv, n) = (geo.group, geo.value_dim, geo.queries);
+    let (g, dv) = (geo.group, geo.value_dim);
     let mut items = Vec::new();
-    for r in 0..geo.rows {
+    for r in 0..rows {
         for h in 0..geo.kv_heads {
             for i0 in (0..n).step_by(QUERY_BLOCK) {
                 items.push((r, h, i0, QUERY_BLOCK.min(n - i0)));
@@ -274,10 +253,10 @@ pub(crate) fn attend_source<S: TileSource>(
         for i in range {
             let (r, h, i0, len) = items[i];
             *outs[i].lock().unwrap_or_else(|e| e.into_inner()) =
-                attend_block(&qv, source, geo, pads[r], r, h, i0, len, scale);
+                attend_block(&qv, source, geo, r, h, i0, len, scale);
         }
     });
-    let mut out = vec![0f32; geo.rows * geo.kv_heads * g * n * dv];
+    let mut out = vec![0f32; rows * geo.kv_heads * g * n * dv];
     for ((r, h, i0, len), block) in items.into_iter().zip(outs) {
         let block = block.into_inner().unwrap();
         for hh in 0..g {
@@ -285,5 +264,5 @@ pub(crate) fn attend_source<S: TileSource>(
             out[dst..dst + len * dv].copy_from_slice(&block[hh * len * dv..][..len * dv]);
         }
     }
-    Tensor::from_vec(out, (geo.rows, geo.kv_heads * g, n, dv), q.device())
+    Tensor::from_vec(out, (rows, geo.kv_heads * g, n, dv), q.device())
 }

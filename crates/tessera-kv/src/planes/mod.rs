@@ -1,0 +1,260 @@
+//! Storage planes: one codec's keys and values of one layer, `[row, kv_head, slot, field]`.
+//!
+//! Every storage — plain, affine and TurboQuant on the host, and any codec on a device
+//! through the installed backend ([`device`]) — implements the one [`Planes`] trait, so each
+//! cache operation (appends, reads, the row operations, state) is written once, against the
+//! trait, and a new storage is one `impl`. Planes know slots, never positions: which slot
+//! holds which position is the retention policy's ([`crate::retention`]), which positions a
+//! row may see is the rows' ([`crate::rows`]).
+
+pub mod affine;
+pub mod device;
+pub mod plain;
+pub mod turbo;
+
+pub use affine::AffinePlanes;
+pub use device::{host_planes, install, planes_for, DeviceBackend};
+pub use plain::PlainPlanes;
+pub use turbo::{TurboPlanes, TurboTables};
+
+use crate::{Codec, Isa, KvError, TurboPrep};
+use candle_core::Tensor;
+use std::any::Any;
+use std::ops::Range;
+
+/// `(rows, heads, head_dim, value_dim)` of a layer's planes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlaneGeometry {
+    pub rows: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+}
+
+/// The slots one row of a decode read attends: up to two ranges (a ring that wrapped).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowSlots {
+    pub ranges: Vec<Range<usize>>,
+}
+
+impl RowSlots {
+    /// The row's slots as one span, when they are one: a ring that has wrapped holds its
+    /// whole window in two ranges covering every slot, and attention does not depend on the
+    /// order of its positions. `None` for two separate runs (a padded row in a wrapped ring).
+    pub fn single_span(&self) -> Option<Range<usize>> {
+        match self.ranges.as_slice() {
+            [a] => Some(a.clone()),
+            [a, b] if b.start == 0 && b.end == a.start => Some(0..a.end),
+            _ => None,
+        }
+    }
+}
+
+/// Where one row of a chunk read sits in time: its queries are physical positions
+/// `start ..`, slot `j` of the read's planes holds its position `first + j`, and its first
+/// `pad` positions are padding no real query sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowSpan {
+    pub pad: usize,
+    pub start: usize,
+    pub first: usize,
+}
+
+/// A causal chunk read: `queries` positions per row over slots `0 .. slots` of planes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkGeometry {
+    pub rows: Vec<RowSpan>,
+    pub kv_heads: usize,
+    /// Query heads per KV head (set from the queries when the read is attended).
+    pub group: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    pub queries: usize,
+    /// Slots the read spans (every row's visible slots lie below).
+    pub slots: usize,
+    /// A sliding window: a query sees only keys less than `window` positions back.
+    pub window: Option<usize>,
+}
+
+impl ChunkGeometry {
+    /// The slots query `i` of row `row` sees: causal, no padding, inside the window. A
+    /// padding query sees only itself, so its discarded output stays finite.
+    pub fn visible(&self, row: usize, i: usize) -> Range<usize> {
+        let RowSpan { pad, start, first } = self.rows[row];
+        let q = start + i;
+        let lo = if q < pad {
+            q
+        } else {
+            let w = self.window.map_or(0, |w| (q + 1).saturating_sub(w));
+            pad.max(w).max(first)
+        };
+        lo - first..q + 1 - first
+    }
+
+    /// Whether every row's queries start at one position and slot = position (full
+    /// retention with aligned rows): what a device's fused chunk kernel takes.
+    pub fn aligned(&self) -> Option<usize> {
+        let start = self.rows.first()?.start;
+        self.rows
+            .iter()
+            .all(|r| r.start == start && r.first == 0)
+            .then_some(start)
+    }
+}
+
+/// One storage's planes as plain data: the codec, geometry and capacity, and the stored
+/// buffers exactly as the host layout holds them (little-endian), in an order each codec
+/// documents on its type. A device's planes give the same buffers as the host planes would.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanesState {
+    pub codec: Codec,
+    pub geometry: PlaneGeometry,
+    pub capacity: usize,
+    pub buffers: Vec<Vec<u8>>,
+}
+
+/// Keys and values of one layer in one codec. Rows are addressed by index, slots by the
+/// retention policy; inputs and outputs are `(rows, heads, n, dim)` tensors.
+pub trait Planes: std::fmt::Debug + Send + Sync + Any {
+    /// The codec the planes hold (with its preparation, for turbo).
+    fn codec(&self) -> Codec;
+    fn geometry(&self) -> PlaneGeometry;
+    fn capacity(&self) -> usize;
+    /// Empty planes of the same codec on the same device, for `rows` rows (per-row codec
+    /// state, such as a turbo key preparation, is taken over with [`Planes::adopt_row`]).
+    fn empty(&self, rows: usize) -> Result<Box<dyn Planes>, KvError>;
+    /// Makes room for `slots` slots (growing in [`crate::GROWTH_STEP`] steps, never past
+    /// `limit`), keeping the contents.
+    fn reserve(&mut self, slots: usize, limit: usize) -> Result<(), KvError>;
+    /// Encodes `k`, `v` `(rows.len(), heads, n, dim)` into rows `rows`, slots `slot .. slot + n`.
+    fn write(
+        &mut self,
+        rows: Range<usize>,
+        slot: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), KvError>;
+    /// Slots `slot .. slot + len` of rows `rows`, decoded to f32 `(rows.len(), heads, len, dim)`.
+    fn read(&self, rows: Range<usize>, slot: usize, len: usize)
+        -> Result<(Tensor, Tensor), KvError>;
+    /// Takes over row `src_row`'s per-row codec state (a turbo key preparation) from `src`
+    /// (same codec) into row `dst_row`. Codecs without one have nothing to do.
+    fn adopt_row(
+        &mut self,
+        src: &dyn Planes,
+        src_row: usize,
+        dst_row: usize,
+    ) -> Result<(), KvError> {
+        let _ = (src, src_row, dst_row);
+        Ok(())
+    }
+    /// Copies `len` stored slots of row `src_row` of `src` (same codec, same device) from
+    /// `src_slot` into row `dst_row` from `dst_slot`: the stored codes as they are, never
+    /// requantized.
+    fn copy_from(
+        &mut self,
+        src: &dyn Planes,
+        src_row: usize,
+        src_slot: usize,
+        dst_row: usize,
+        dst_slot: usize,
+        len: usize,
+    ) -> Result<(), KvError>;
+    /// Turbo planes: fits each row's key preparation on `k` `(rows, heads, n, head_dim)` (what
+    /// the bf16 stage holds at conversion), over the slots `live[row]` of each row, before
+    /// anything is written. Other codecs ignore it.
+    fn fit_key_prep(
+        &mut self,
+        k: &Tensor,
+        live: &[Range<usize>],
+        prep: TurboPrep,
+    ) -> Result<(), KvError> {
+        let _ = (k, live, prep);
+        Ok(())
+    }
+    /// The fused decode read: `q` `(rows, q_heads, 1, head_dim)`, row `r` over the slots
+    /// `rows[r]`. `Ok(None)` where these planes have none (the caller reads densely).
+    fn decode(
+        &self,
+        q: &Tensor,
+        rows: &[RowSlots],
+        scale: f32,
+        isa: Isa,
+    ) -> Result<Option<Tensor>, KvError>;
+    /// The fused chunk read: `q` `(rows, q_heads, n, head_dim)` as `geometry` places it.
+    /// `Ok(None)` where these planes have none (the caller reads densely).
+    fn chunk(
+        &self,
+        q: &Tensor,
+        geometry: &ChunkGeometry,
+        scale: f32,
+        isa: Isa,
+    ) -> Result<Option<Tensor>, KvError>;
+    fn allocated_bytes(&self) -> usize;
+    /// Encoded bytes of one position of one row, keys and values.
+    fn bytes_per_position(&self) -> usize;
+    /// The stored planes as host data ([`PlanesState`]).
+    fn state(&self) -> Result<PlanesState, KvError>;
+    /// Replaces the contents with `state` (same codec and geometry; what [`Planes::state`]
+    /// gave).
+    fn restore(&mut self, state: &PlanesState) -> Result<(), KvError>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Planes a read uses: the cache's own, or planes the same append retired (the bf16 stage a
+/// converting append is read from) or built for itself (a ring's span).
+#[derive(Debug)]
+pub(crate) enum PlanesRef<'a> {
+    Borrowed(&'a dyn Planes),
+    Owned(Box<dyn Planes>),
+}
+
+impl PlanesRef<'_> {
+    pub fn get(&self) -> &dyn Planes {
+        match self {
+            PlanesRef::Borrowed(p) => *p,
+            PlanesRef::Owned(p) => p.as_ref(),
+        }
+    }
+}
+
+/// `src` as the concrete planes type `T`, or the error naming both codecs.
+pub(crate) fn same_kind<'a, T: Planes>(
+    src: &'a dyn Planes,
+    dst: &dyn Planes,
+) -> Result<&'a T, KvError> {
+    src.as_any()
+        .downcast_ref::<T>()
+        .filter(|s| s.codec() == dst.codec())
+        .ok_or_else(|| KvError::CodecMismatch {
+            expected: dst.codec().to_string(),
+            got: src.codec().to_string(),
+        })
+}
+
+/// Checks a state against the planes it is restored into.
+pub(crate) fn check_state(planes: &dyn Planes, state: &PlanesState, buffers: usize) -> Result<(), KvError> {
+    if state.codec != planes.codec() || state.geometry != planes.geometry() || state.buffers.len() != buffers {
+        return Err(KvError::BadState(format!(
+            "planes of {} {:?} given a state of {} {:?} with {} buffers",
+            planes.codec(),
+            planes.geometry(),
+            state.codec,
+            state.geometry,
+            state.buffers.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Little-endian bytes of a slice of plain values, and back.
+pub(crate) fn to_bytes<T: bytemuck::Pod>(x: &[T]) -> Vec<u8> {
+    bytemuck::cast_slice(x).to_vec()
+}
+
+pub(crate) fn from_bytes<T: bytemuck::Pod>(b: &[u8], what: &str) -> Result<Vec<T>, KvError> {
+    if b.len() % std::mem::size_of::<T>() != 0 {
+        return Err(KvError::BadState(format!("{what}: {} bytes", b.len())));
+    }
+    Ok(bytemuck::pod_collect_to_vec(b))
+}

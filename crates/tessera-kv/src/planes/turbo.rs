@@ -1,0 +1,473 @@
+//! TurboQuant storage planes: per position and head, the f16 norm of the vector and the
+//! `bits`-bit Lloyd–Max codes of its normalized, rotated coordinates (codes packed in u32
+//! words with the affine layout: element i at bit i·bits). Keys and values have their own
+//! bit widths, rotations (fixed seeds) and codebooks. Inputs are rounded to bf16 first, so
+//! quantizing on append and converting bf16 storage later store the same codes.
+
+use super::{check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes, PlanesState, RowSlots};
+use crate::codec::affine::{get_code, put_code};
+use crate::codec::prep::ChannelPrep;
+use crate::codec::turbo::{Codebook, Rotation};
+use crate::read::decode::DecodeShape;
+use crate::read::{chunk, turbo_tiles};
+use crate::{Codec, Isa, KvError, TurboPrep};
+use candle_core::{DType, Device, Tensor};
+use half::f16;
+use std::any::Any;
+use std::ops::Range;
+
+/// Rotation seeds: fixed, so a saved cache decodes anywhere.
+const KEY_SEED: u64 = 0x7e55_e7a0_0000_0001;
+const VALUE_SEED: u64 = 0x7e55_e7a0_0000_0002;
+
+/// One plane (keys or values) of `rows × heads × capacity` vectors of `dim` elements.
+#[derive(Debug, Clone)]
+pub(crate) struct TurboPlane {
+    dim: usize,
+    bits: u8,
+    words: usize,
+    codes: Vec<u32>,
+    norms: Vec<f16>,
+    rotation: Rotation,
+    book: Codebook,
+}
+
+impl TurboPlane {
+    fn new(dim: usize, bits: u8, seed: u64) -> Self {
+        TurboPlane {
+            dim,
+            bits,
+            words: (dim * bits as usize).div_ceil(32),
+            codes: Vec::new(),
+            norms: Vec::new(),
+            rotation: Rotation::new(dim, seed),
+            book: Codebook::shared(dim, bits),
+        }
+    }
+
+    fn grow(&mut self, blocks: usize, old_cap: usize, capacity: usize) {
+        let mut codes = vec![0u32; blocks * capacity * self.words];
+        let mut norms = vec![f16::ZERO; blocks * capacity];
+        for b in 0..blocks {
+            let w = old_cap * self.words;
+            codes[b * capacity * self.words..][..w].copy_from_slice(&self.codes[b * w..][..w]);
+            norms[b * capacity..][..old_cap].copy_from_slice(&self.norms[b * old_cap..][..old_cap]);
+        }
+        self.codes = codes;
+        self.norms = norms;
+    }
+
+    /// Encodes `x` into slot `at` (absolute: block · capacity + slot).
+    fn write(&mut self, at: usize, x: &[f32]) {
+        let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let mut u: Vec<f32> = if norm > 0.0 {
+            x.iter().map(|v| v / norm).collect()
+        } else {
+            vec![0.0; x.len()]
+        };
+        self.rotation.forward(&mut u);
+        let words = &mut self.codes[at * self.words..(at + 1) * self.words];
+        words.iter_mut().for_each(|w| *w = 0);
+        for (i, &c) in u.iter().enumerate() {
+            put_code(words, i, self.bits, self.book.encode(c) as u32);
+        }
+        self.norms[at] = f16::from_f32(norm);
+    }
+
+    /// The stored vector of slot `at` in the rotated space: norm × codebook levels.
+    #[inline]
+    pub fn rotated(&self, at: usize, out: &mut [f32]) {
+        let words = &self.codes[at * self.words..(at + 1) * self.words];
+        let norm = self.norms[at].to_f32();
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = norm * self.book.decode(get_code(words, i, self.bits) as u8);
+        }
+    }
+
+    /// The stored vector of slot `at` in the original space.
+    fn read(&self, at: usize, out: &mut [f32]) {
+        self.rotated(at, out);
+        self.rotation.inverse(out);
+    }
+
+    pub fn rotation(&self) -> &Rotation {
+        &self.rotation
+    }
+
+    pub fn bits(&self) -> u8 {
+        self.bits
+    }
+
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    pub fn levels(&self) -> &[f32] {
+        &self.book.levels
+    }
+
+    /// Packed codes and norm of slot `at`.
+    #[inline(always)]
+    pub fn slot(&self, at: usize) -> (&[u32], f32) {
+        (
+            &self.codes[at * self.words..(at + 1) * self.words],
+            self.norms[at].to_f32(),
+        )
+    }
+}
+
+/// What a device backend needs to encode and read turbo planes as these do: per plane the
+/// rotation's signs and the codebook, and the keys' fitted preparation.
+#[derive(Debug, Clone)]
+pub struct TurboTables {
+    /// Keys', then values': signs (`dim`), levels and thresholds (ascending).
+    pub signs: [Vec<f32>; 2],
+    pub levels: [Vec<f32>; 2],
+    pub thresholds: [Vec<f32>; 2],
+    /// The keys' mean and scales per (row, KV head) block (`rows × heads × head_dim`,
+    /// block = row · heads + head), where fitted.
+    pub key_mean: Option<Vec<f32>>,
+    pub key_scale: Option<Vec<f32>>,
+}
+
+/// TurboQuant keys and values of one layer.
+///
+/// State buffers: `[key codes (u32), key norms (f16), value codes, value norms, key mean
+/// (f32, empty if none), key scales (f32, empty if none)]`.
+#[derive(Debug, Clone)]
+pub struct TurboPlanes {
+    rows: usize,
+    heads: usize,
+    capacity: usize,
+    /// What keys are centred on and scaled by before encoding, per row (see
+    /// [`ChannelPrep`]). Fused reads skip the mean: `q · m` is the same for every position
+    /// of a row's head, and softmax ignores a constant added to all of a query's scores.
+    /// (Values are encoded as they come: the same preparation did not pay for them; see
+    /// BENCHMARKS.md.)
+    key_prep: ChannelPrep,
+    keys: TurboPlane,
+    values: TurboPlane,
+}
+
+fn bf16_values(x: &Tensor) -> Result<Vec<f32>, KvError> {
+    Ok(x.to_dtype(DType::BF16)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?)
+}
+
+impl TurboPlanes {
+    pub fn new(
+        kbits: u8,
+        vbits: u8,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        value_dim: usize,
+    ) -> Self {
+        TurboPlanes {
+            rows,
+            heads,
+            capacity: 0,
+            key_prep: ChannelPrep::default(),
+            keys: TurboPlane::new(head_dim, kbits, KEY_SEED),
+            values: TurboPlane::new(value_dim, vbits, VALUE_SEED),
+        }
+    }
+
+    /// These (empty) planes with the key preparation `prep` asks for, as the identity until
+    /// a row's is fitted or adopted.
+    pub fn with_prep(mut self, prep: TurboPrep) -> Self {
+        self.key_prep = ChannelPrep::identity(self.rows * self.heads, self.keys.dim, prep.key_mean, prep.key_scale);
+        self
+    }
+
+    pub fn bits(&self) -> (u8, u8) {
+        (self.keys.bits, self.values.bits)
+    }
+
+    pub(crate) fn key_prep(&self) -> &ChannelPrep {
+        &self.key_prep
+    }
+
+    /// The preparation these planes were fitted with.
+    pub fn prep(&self) -> TurboPrep {
+        TurboPrep {
+            key_mean: self.key_prep.centered(),
+            key_scale: self.key_prep.scaled(),
+        }
+    }
+
+    /// The rotations, codebooks and key preparation, for a device backend.
+    pub fn tables(&self) -> TurboTables {
+        let (mean, scale) = self.key_prep.tables();
+        let (k, v) = (&self.keys, &self.values);
+        TurboTables {
+            signs: [k.rotation.signs().to_vec(), v.rotation.signs().to_vec()],
+            levels: [k.book.levels.clone(), v.book.levels.clone()],
+            thresholds: [k.book.thresholds.clone(), v.book.thresholds.clone()],
+            key_mean: mean.map(<[f32]>::to_vec),
+            key_scale: scale.map(<[f32]>::to_vec),
+        }
+    }
+
+    /// `(heads, head_dim, value_dim)`.
+    pub fn geometry3(&self) -> (usize, usize, usize) {
+        (self.heads, self.keys.dim, self.values.dim)
+    }
+
+    pub(crate) fn planes(&self) -> (&TurboPlane, &TurboPlane) {
+        (&self.keys, &self.values)
+    }
+
+    /// What a later read of `x` `(1, heads, n, dim)` returns once stored in row `row`:
+    /// encoded and decoded with that row's preparation.
+    pub fn as_stored(&self, row: usize, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
+        let (b, h, n, d) = x.dims4()?;
+        let (src, prep) = if keys {
+            (&self.keys, &self.key_prep)
+        } else {
+            (&self.values, &ChannelPrep::default())
+        };
+        let mut plane = TurboPlane {
+            codes: vec![0; src.words],
+            norms: vec![f16::ZERO],
+            ..src.clone()
+        };
+        let values = bf16_values(x)?;
+        let mut out = vec![0f32; values.len()];
+        let mut prepared = vec![0f32; d];
+        for (i, (s, o)) in values
+            .chunks_exact(d)
+            .zip(out.chunks_exact_mut(d))
+            .enumerate()
+        {
+            let block = (row + i / (n * h)) * self.heads + (i / n) % h;
+            prep.encode(block, s, &mut prepared);
+            plane.write(0, &prepared);
+            plane.read(0, o);
+            prep.decode(block, o);
+        }
+        Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
+    }
+
+    fn check_rows(&self, rows: &Range<usize>, slot: usize, n: usize) -> Result<(), KvError> {
+        if rows.end > self.rows || slot + n > self.capacity {
+            return Err(KvError::Rows(format!(
+                "turbo planes of {} rows × {} slots addressed at rows {rows:?}, slots {slot}..{}",
+                self.rows,
+                self.capacity,
+                slot + n
+            )));
+        }
+        Ok(())
+    }
+
+    /// The key preparation tables an adoption writes into: sized for every row.
+    fn prep_tables(&mut self, prep: TurboPrep) {
+        if self.key_prep == ChannelPrep::default() {
+            self.key_prep = ChannelPrep::identity(self.rows * self.heads, self.keys.dim, prep.key_mean, prep.key_scale);
+        }
+    }
+}
+
+impl Planes for TurboPlanes {
+    fn codec(&self) -> Codec {
+        Codec::Turbo {
+            kbits: self.keys.bits,
+            vbits: self.values.bits,
+            prep: self.prep(),
+        }
+    }
+
+    fn geometry(&self) -> PlaneGeometry {
+        PlaneGeometry {
+            rows: self.rows,
+            heads: self.heads,
+            head_dim: self.keys.dim,
+            value_dim: self.values.dim,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn empty(&self, rows: usize) -> Result<Box<dyn Planes>, KvError> {
+        let empty = |p: &TurboPlane| TurboPlane {
+            codes: Vec::new(),
+            norms: Vec::new(),
+            ..p.clone()
+        };
+        let prep = self.prep();
+        Ok(Box::new(TurboPlanes {
+            rows,
+            heads: self.heads,
+            capacity: 0,
+            key_prep: ChannelPrep::identity(rows * self.heads, self.keys.dim, prep.key_mean, prep.key_scale),
+            keys: empty(&self.keys),
+            values: empty(&self.values),
+        }))
+    }
+
+    fn reserve(&mut self, slots: usize, limit: usize) -> Result<(), KvError> {
+        if slots <= self.capacity {
+            return Ok(());
+        }
+        let capacity = crate::grown_capacity(slots, limit);
+        let blocks = self.rows * self.heads;
+        self.keys.grow(blocks, self.capacity, capacity);
+        self.values.grow(blocks, self.capacity, capacity);
+        self.capacity = capacity;
+        Ok(())
+    }
+
+    fn write(&mut self, rows: Range<usize>, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+        let n = k.dims4()?.2;
+        self.check_rows(&rows, slot, n)?;
+        let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
+        let (dk, dv) = (self.keys.dim, self.values.dim);
+        let mut pk = vec![0f32; dk];
+        let first = rows.start * self.heads;
+        for local in 0..rows.len() * self.heads {
+            let block = first + local;
+            for i in 0..n {
+                let (at, src) = (block * self.capacity + slot + i, local * n + i);
+                self.key_prep.encode(block, &kx[src * dk..][..dk], &mut pk);
+                self.keys.write(at, &pk);
+                self.values.write(at, &vx[src * dv..][..dv]);
+            }
+        }
+        Ok(())
+    }
+
+    fn read(&self, rows: Range<usize>, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
+        self.check_rows(&rows, slot, len)?;
+        let first = rows.start * self.heads;
+        let blocks = rows.len() * self.heads;
+        let plane = |p: &TurboPlane, prep: Option<&ChannelPrep>| -> Result<Tensor, KvError> {
+            let mut out = vec![0f32; blocks * len * p.dim];
+            for local in 0..blocks {
+                let block = first + local;
+                for i in 0..len {
+                    let at = local * len + i;
+                    let row = &mut out[at * p.dim..(at + 1) * p.dim];
+                    p.read(block * self.capacity + slot + i, row);
+                    if let Some(prep) = prep {
+                        prep.decode(block, row);
+                    }
+                }
+            }
+            Ok(Tensor::from_vec(out, (rows.len(), self.heads, len, p.dim), &Device::Cpu)?)
+        };
+        Ok((plane(&self.keys, Some(&self.key_prep))?, plane(&self.values, None)?))
+    }
+
+    fn adopt_row(&mut self, src: &dyn Planes, src_row: usize, dst_row: usize) -> Result<(), KvError> {
+        let src = same_kind::<TurboPlanes>(src, self)?;
+        if src_row >= src.rows || dst_row >= self.rows {
+            return Err(KvError::Rows(format!("adopt row {src_row} of {} into row {dst_row} of {}", src.rows, self.rows)));
+        }
+        self.prep_tables(src.prep());
+        self.key_prep.adopt(&src.key_prep, src_row, dst_row, self.heads);
+        Ok(())
+    }
+
+    fn copy_from(
+        &mut self,
+        src: &dyn Planes,
+        src_row: usize,
+        src_slot: usize,
+        dst_row: usize,
+        dst_slot: usize,
+        len: usize,
+    ) -> Result<(), KvError> {
+        let src = same_kind::<TurboPlanes>(src, self)?;
+        src.check_rows(&(src_row..src_row + 1), src_slot, len)?;
+        self.check_rows(&(dst_row..dst_row + 1), dst_slot, len)?;
+        for (dst, from) in [(&mut self.keys, &src.keys), (&mut self.values, &src.values)] {
+            let w = dst.words;
+            for head in 0..self.heads {
+                let d0 = (dst_row * self.heads + head) * self.capacity + dst_slot;
+                let s0 = (src_row * self.heads + head) * src.capacity + src_slot;
+                dst.codes[d0 * w..(d0 + len) * w].copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
+                dst.norms[d0..d0 + len].copy_from_slice(&from.norms[s0..s0 + len]);
+            }
+        }
+        Ok(())
+    }
+
+    fn fit_key_prep(&mut self, k: &Tensor, live: &[Range<usize>], prep: TurboPrep) -> Result<(), KvError> {
+        let n = k.dims4()?.2;
+        let x = bf16_values(k)?;
+        self.key_prep = ChannelPrep::fit(&x, self.heads, n, self.keys.dim, live, prep.key_mean, prep.key_scale);
+        Ok(())
+    }
+
+    fn decode(&self, q: &Tensor, rows: &[RowSlots], scale: f32, isa: Isa) -> Result<Option<Tensor>, KvError> {
+        let shape = DecodeShape::of(q, self.geometry(), self.capacity)?;
+        Ok(Some(turbo_tiles::attend(&q.contiguous()?, self, rows, &shape, scale, isa)?))
+    }
+
+    fn chunk(&self, q: &Tensor, geometry: &ChunkGeometry, scale: f32, isa: Isa) -> Result<Option<Tensor>, KvError> {
+        Ok(Some(chunk::attend_source(&q.contiguous()?, &turbo_tiles::source(self, isa), geometry, scale)?))
+    }
+
+    fn allocated_bytes(&self) -> usize {
+        (self.keys.codes.len() + self.values.codes.len()) * 4
+            + (self.keys.norms.len() + self.values.norms.len()) * 2
+            + self.key_prep.bytes()
+    }
+
+    /// Codes plus an f16 norm per vector.
+    fn bytes_per_position(&self) -> usize {
+        self.heads * ((self.keys.words + self.values.words) * 4 + 2 * 2)
+    }
+
+    fn state(&self) -> Result<PlanesState, KvError> {
+        let (mean, scale) = self.key_prep.tables();
+        Ok(PlanesState {
+            codec: self.codec(),
+            geometry: self.geometry(),
+            capacity: self.capacity,
+            buffers: vec![
+                to_bytes(&self.keys.codes),
+                to_bytes(&self.keys.norms),
+                to_bytes(&self.values.codes),
+                to_bytes(&self.values.norms),
+                mean.map_or(Vec::new(), to_bytes),
+                scale.map_or(Vec::new(), to_bytes),
+            ],
+        })
+    }
+
+    fn restore(&mut self, state: &PlanesState) -> Result<(), KvError> {
+        check_state(self, state, 6)?;
+        let blocks = self.rows * self.heads * state.capacity;
+        let mut planes = [self.keys.clone(), self.values.clone()];
+        for (i, p) in planes.iter_mut().enumerate() {
+            p.codes = from_bytes(&state.buffers[2 * i], "turbo codes")?;
+            p.norms = from_bytes(&state.buffers[2 * i + 1], "turbo norms")?;
+            if p.codes.len() != blocks * p.words || p.norms.len() != blocks {
+                return Err(KvError::BadState(format!(
+                    "turbo planes of capacity {}: {} code words and {} norms",
+                    state.capacity,
+                    p.codes.len(),
+                    p.norms.len()
+                )));
+            }
+        }
+        let prep = self.prep();
+        let mut key_prep = ChannelPrep::identity(self.rows * self.heads, self.keys.dim, prep.key_mean, prep.key_scale);
+        key_prep
+            .load(from_bytes(&state.buffers[4], "turbo key mean")?, from_bytes(&state.buffers[5], "turbo key scales")?)
+            .map_err(KvError::BadState)?;
+        let [keys, values] = planes;
+        (self.keys, self.values, self.capacity, self.key_prep) = (keys, values, state.capacity, key_prep);
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

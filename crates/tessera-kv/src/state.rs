@@ -1,0 +1,136 @@
+//! Cache state: everything a layer cache is, as plain data — codec, transition, rows, ring
+//! slack, reuse floor, and the planes exactly as stored (a turbo layer's fitted key
+//! preparations with them) — so a cache can be saved and rebuilt bit for bit. Device planes
+//! give their state through the host and are rebuilt on the device asked for.
+
+use crate::cache::KvCache;
+use crate::layer::LayerCache;
+use crate::planes::{planes_for, PlanesState};
+use crate::retention::Slots;
+use crate::rows::Rows;
+use crate::{Codec, Isa, KvError, LayerSpec};
+use candle_core::Device;
+
+/// The version of [`CacheState`]'s layout; a state of another version is refused.
+pub const STATE_VERSION: u32 = 1;
+
+/// One layer cache as data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerState {
+    pub layer: usize,
+    pub spec: LayerSpec,
+    pub slack: usize,
+    pub target: Option<Codec>,
+    pub quantized_kv_start: usize,
+    pub minimum_reusable_offset: Option<usize>,
+    pub left_pad: Vec<usize>,
+    pub ends: Vec<usize>,
+    pub held_from: Vec<usize>,
+    pub round: Option<Vec<usize>>,
+    pub planes: PlanesState,
+}
+
+/// A whole cache as data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheState {
+    pub version: u32,
+    pub layers: Vec<LayerState>,
+    pub left_pad: Vec<usize>,
+    pub prefill: Option<Vec<usize>>,
+}
+
+impl LayerCache {
+    pub fn state(&self) -> Result<LayerState, KvError> {
+        Ok(LayerState {
+            layer: self.layer,
+            spec: self.spec,
+            slack: self.slack,
+            target: self.target,
+            quantized_kv_start: self.start,
+            minimum_reusable_offset: self.minimum_reusable_offset,
+            left_pad: self.rows.left_pad().to_vec(),
+            ends: self.rows.ends(),
+            held_from: self.rows.held_from().to_vec(),
+            round: self.rows.round().map(<[usize]>::to_vec),
+            planes: self.planes.state()?,
+        })
+    }
+
+    /// The layer cache `state` describes, its planes where appends on `device` are stored.
+    pub fn from_state(state: &LayerState, device: &Device) -> Result<LayerCache, KvError> {
+        let rows = state.left_pad.len();
+        let g = state.planes.geometry;
+        let consistent = state.ends.len() == rows
+            && state.held_from.len() == rows
+            && state.round.as_ref().is_none_or(|r| r.len() == rows)
+            && g.rows == rows
+            && g.heads == state.spec.kv_heads
+            && g.head_dim == state.spec.head_dim
+            && g.value_dim == state.spec.value_dim;
+        if !consistent {
+            return Err(KvError::BadState(format!(
+                "layer {}: rows, ends and planes disagree ({rows} rows, planes {g:?})",
+                state.layer
+            )));
+        }
+        let mut planes = planes_for(state.planes.codec, g, device)?;
+        planes.restore(&state.planes)?;
+        let mut rows = Rows::from_parts(
+            state.left_pad.clone(),
+            state.ends.clone(),
+            state.held_from.clone(),
+        );
+        rows.restore_round(state.round.clone());
+        let slots = Slots::of(state.spec.retention, state.slack);
+        if rows.width() > 0 && planes.capacity() < slots.capacity(rows.width()) {
+            return Err(KvError::BadState(format!(
+                "layer {}: {} slots cannot hold rows ending at {}",
+                state.layer,
+                planes.capacity(),
+                rows.width()
+            )));
+        }
+        Ok(LayerCache {
+            layer: state.layer,
+            spec: state.spec,
+            slots,
+            slack: state.slack,
+            planes,
+            rows,
+            target: state.target,
+            start: state.quantized_kv_start,
+            minimum_reusable_offset: state.minimum_reusable_offset,
+            bound: true,
+            isa: Isa::detected(),
+        })
+    }
+}
+
+impl KvCache {
+    pub fn state(&self) -> Result<CacheState, KvError> {
+        Ok(CacheState {
+            version: STATE_VERSION,
+            layers: self.layers().iter().map(|l| l.state()).collect::<Result<_, _>>()?,
+            left_pad: self.left_pad().to_vec(),
+            prefill: self.prefill().map(<[usize]>::to_vec),
+        })
+    }
+
+    /// The cache `state` describes, on `device`.
+    pub fn from_state(state: &CacheState, device: &Device) -> Result<KvCache, KvError> {
+        if state.version != STATE_VERSION {
+            return Err(KvError::BadState(format!(
+                "cache state version {} (this build reads version {STATE_VERSION})",
+                state.version
+            )));
+        }
+        let layers = state
+            .layers
+            .iter()
+            .map(|l| LayerCache::from_state(l, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut cache = KvCache::of_layers(layers, state.left_pad.clone());
+        cache.set_prefill(state.prefill.clone());
+        Ok(cache)
+    }
+}
