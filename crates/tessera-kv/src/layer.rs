@@ -1,7 +1,7 @@
 //! Layer caches: one storage's planes, one retention and the rows, composed. Every append
 //! goes through [`LayerCache::append`]; every row operation through [`LayerCache::relayout`].
 
-use crate::planes::device::{host_planes, planes_on, planes_for};
+use crate::planes::device::{host_planes, planes_on};
 use crate::planes::{ChunkGeometry, PlaneGeometry, Planes, PlanesRef, RowSlots, RowSpan};
 use crate::read::mask_of;
 use crate::retention::Slots;
@@ -195,20 +195,7 @@ impl LayerCache {
         self.planes.allocated_bytes()
     }
 
-    /// Whether the storage is still the bf16 stage of a quantized codec.
-    pub fn awaiting_conversion(&self) -> bool {
-        self.target.is_some() && !self.planes.codec().is_quantized()
-    }
-
-    /// Positions an append may add before the bf16-first transition converts this layer
-    /// (the seeds' `maxAppendTokens`): an append of exactly that many converts at
-    /// `quantized_kv_start`. `None` where no transition lies ahead.
-    pub fn max_append_tokens(&self) -> Option<usize> {
-        let width = self.rows.width();
-        (self.awaiting_conversion() && self.start > width).then(|| self.start - width)
-    }
-
-    fn geometry(&self) -> PlaneGeometry {
+    pub(crate) fn geometry(&self) -> PlaneGeometry {
         PlaneGeometry {
             rows: self.rows.batch(),
             heads: self.spec.kv_heads,
@@ -356,6 +343,15 @@ impl LayerCache {
                 codec: self.planes.codec().to_string(),
             });
         }
+        if let Visibility::Bidirectional(b) | Visibility::EncoderWindow(b) = visibility {
+            if b.len() != self.rows.batch() {
+                return Err(KvError::Rows(format!(
+                    "{} lists of blocks given for {} rows",
+                    b.len(),
+                    self.rows.batch()
+                )));
+            }
+        }
         self.bind_device(k.device())?;
         self.guard_round(k.dims()[2])?;
         let n = k.dims()[2];
@@ -408,13 +404,6 @@ impl LayerCache {
             Visibility::Causal => return Ok(AttentionRead::chunk(planes, geometry)),
             Visibility::Bidirectional(b) | Visibility::EncoderWindow(b) => b,
         };
-        if blocks.len() != ends.len() {
-            return Err(KvError::Rows(format!(
-                "{} blocks given for {} rows",
-                blocks.len(),
-                ends.len()
-            )));
-        }
         let block_of = |r: usize, i: usize| blocks[r].iter().position(|b| b.contains(&i));
         let encoder = matches!(visibility, Visibility::EncoderWindow(_));
         let p = planes.get();
@@ -446,281 +435,6 @@ impl LayerCache {
         }
     }
 
-    /// The bf16-first transition: once an append leaves this layer holding at least
-    /// `quantized_kv_start` positions, encode every stored slot into the target codec's
-    /// planes and drop the bf16 planes. Irreversible; the slots (and so a ring's write
-    /// index) carry over unchanged. Returns the retired bf16 planes (the append that
-    /// converts is read from them).
-    fn convert_if_due(&mut self) -> Result<Option<Box<dyn Planes>>, KvError> {
-        let width = self.rows.width();
-        let Some(target) = self.target else {
-            return Ok(None);
-        };
-        if !self.awaiting_conversion() || width < self.start || width == 0 {
-            return Ok(None);
-        }
-        let used = self.slots.capacity(width);
-        let rows = self.rows.batch();
-        let (k, v) = self.planes.read(0..rows, 0, used)?;
-        let mut converted = planes_for(target, self.geometry(), k.device())?;
-        if let Codec::Turbo { prep, .. } = target {
-            let live: Vec<Range<usize>> = (0..rows).map(|r| self.live_slots(r)).collect();
-            converted.fit_key_prep(&k, &live, prep)?;
-        }
-        let capacity = self.planes.capacity().min(self.slots.ring).max(used);
-        converted.reserve(capacity, self.slots.ring)?;
-        converted.write(0..rows, 0, &k, &v)?;
-        let retired = std::mem::replace(&mut self.planes, converted);
-        if self.start > 0 {
-            self.minimum_reusable_offset = Some(width);
-        }
-        Ok(Some(retired))
-    }
-
-    /// The slots holding row `row`'s live positions, as one range (a wrapped ring whose
-    /// live positions do not cover it: the longer of its two runs — what a key preparation
-    /// is fitted on).
-    fn live_slots(&self, row: usize) -> Range<usize> {
-        let lo = self.rows.held_from()[row].max(self.rows.left_pad()[row]);
-        let end = self.rows.end_of(row);
-        if end <= lo {
-            return 0..0;
-        }
-        if end - lo >= self.slots.ring {
-            return 0..self.slots.ring;
-        }
-        let (a, b) = (self.slots.slot(lo), self.slots.slot(end - 1) + 1);
-        if a < b {
-            a..b
-        } else if self.slots.ring - a >= b {
-            a..self.slots.ring
-        } else {
-            0..b
-        }
-    }
-
-    /// Checks that every row may be rewound to end at `ends` (no later than it ends now; a
-    /// window's positions still held).
-    pub(crate) fn check_rewind(&self, ends: &[usize]) -> Result<(), KvError> {
-        if ends.len() != self.rows.batch() {
-            return Err(KvError::RowCount {
-                given: ends.len(),
-                rows: self.rows.batch(),
-            });
-        }
-        for (r, &end) in ends.iter().enumerate() {
-            let held = self.rows.end_of(r);
-            if end > held {
-                return Err(KvError::Rows(format!(
-                    "layer {}: row {r} cannot return to end {end}: it ends at {held}",
-                    self.layer
-                )));
-            }
-            let (Some(window), pad) = (self.slots.window, self.rows.left_pad()[r]) else {
-                continue;
-            };
-            let needed = self.slots.first_visible(end, pad);
-            let oldest = self.rows.held_from()[r];
-            if needed < end && needed < oldest {
-                return Err(KvError::RingOverwritten {
-                    layer: self.layer,
-                    row: r,
-                    wanted: end.saturating_sub(pad),
-                    window,
-                    slots: self.slots.ring,
-                    needed,
-                    held: oldest,
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// Rewinds every row to end at `ends` (checked: [`Self::check_rewind`]). Stored slots
-    /// past a row's new end are overwritten by its next appends; quantized storage stays
-    /// quantized.
-    pub fn rewind(&mut self, ends: &[usize]) -> Result<(), KvError> {
-        self.check_rewind(ends)?;
-        self.rows.set_ends(ends.to_vec());
-        Ok(())
-    }
-
-    /// Each row's end less `counts[row]`.
-    pub(crate) fn trimmed(&self, counts: &[usize]) -> Result<Vec<usize>, KvError> {
-        if counts.len() != self.rows.batch() {
-            return Err(KvError::RowCount {
-                given: counts.len(),
-                rows: self.rows.batch(),
-            });
-        }
-        self.rows
-            .ends()
-            .iter()
-            .zip(counts)
-            .map(|(&o, &n)| {
-                o.checked_sub(n).ok_or(KvError::TrimTooFar {
-                    layer: self.layer,
-                    requested: n,
-                    held: o,
-                })
-            })
-            .collect()
-    }
-
-    /// Opens a speculative round: a later [`Self::round_rollback`] returns each row to
-    /// its offset now plus the positions it keeps.
-    pub fn round_begin(&mut self) -> Result<(), KvError> {
-        self.rows.begin_round()
-    }
-
-    /// Keeps everything the round appended.
-    pub fn round_commit(&mut self) -> Result<(), KvError> {
-        self.round_offsets()?;
-        self.rows.end_round();
-        Ok(())
-    }
-
-    /// The ends a rollback keeping `keep[row]` drafted positions per row returns to.
-    pub(crate) fn rollback_offsets(&self, keep: &[usize]) -> Result<Vec<usize>, KvError> {
-        let before = self.round_offsets()?;
-        if keep.len() != before.len() {
-            return Err(KvError::RowCount {
-                given: keep.len(),
-                rows: before.len(),
-            });
-        }
-        Ok(before.iter().zip(keep).map(|(b, k)| b + k).collect())
-    }
-
-    /// Closes the round keeping `keep[row]` of the positions it appended to each row.
-    pub fn round_rollback(&mut self, keep: &[usize]) -> Result<(), KvError> {
-        let ends = self.rollback_offsets(keep)?;
-        self.check_rewind(&ends)?;
-        self.rows.set_ends(ends);
-        self.rows.end_round();
-        Ok(())
-    }
-
-    fn round_offsets(&self) -> Result<&[usize], KvError> {
-        self.rows
-            .round()
-            .ok_or_else(|| KvError::Rows("no speculative round is open".into()))
-    }
-
-    /// Whether `other` stores positions exactly as this layer does (same spec, codec stage,
-    /// transition and slack), so rows can move between them.
-    pub(crate) fn check_compatible(&self, other: &LayerCache) -> Result<(), KvError> {
-        let same = self.spec == other.spec
-            && self.planes.codec() == other.planes.codec()
-            && self.target == other.target
-            && self.start == other.start
-            && self.slack == other.slack;
-        if !same {
-            return Err(KvError::Rows(format!(
-                "layer {}: rows of {} (slack {}) cannot join rows of {} (slack {})",
-                self.layer,
-                other.signature(),
-                other.slack,
-                self.signature(),
-                self.slack
-            )));
-        }
-        if self.rows.round().is_some() || other.rows.round().is_some() {
-            return Err(KvError::Rows(format!(
-                "layer {}: rows cannot move during a speculative round",
-                self.layer
-            )));
-        }
-        Ok(())
-    }
-
-    /// A layer whose row `i` is row `sources[i].1` of `sources[i].0` with left padding
-    /// `sources[i].2`: the row's held positions copied as stored (packed codes, never
-    /// requantized), each moved by the change of its padding. What merge, filter, extract
-    /// and align are made of.
-    pub(crate) fn relayout(sources: &[(&LayerCache, usize, usize)]) -> Result<LayerCache, KvError> {
-        let Some(&(model, _, _)) = sources.first() else {
-            return Err(KvError::Rows("a cache needs at least one row".into()));
-        };
-        for (src, row, _) in sources {
-            model.check_compatible(src)?;
-            if *row >= src.rows.batch() {
-                return Err(KvError::Rows(format!(
-                    "row {row} of a cache of {} rows",
-                    src.rows.batch()
-                )));
-            }
-        }
-        let rows = sources.len();
-        let pads: Vec<usize> = sources.iter().map(|s| s.2).collect();
-        let ends: Vec<usize> = sources
-            .iter()
-            .map(|(c, r, pad)| pad + c.rows.offsets()[*r])
-            .collect();
-        let held: Vec<usize> = sources
-            .iter()
-            .map(|(c, r, pad)| c.rows.held_from()[*r].max(c.rows.left_pad()[*r]) - c.rows.left_pad()[*r] + pad)
-            .collect();
-        let width = ends.iter().max().copied().unwrap_or(0);
-        let mut planes = model.planes.empty(rows)?;
-        planes.reserve(model.slots.capacity(width), model.slots.ring)?;
-        for (i, (src, r, pad)) in sources.iter().enumerate() {
-            planes.adopt_row(src.planes.as_ref(), *r, i)?;
-            let src_pad = src.rows.left_pad()[*r];
-            let lo = src.rows.held_from()[*r].max(src_pad);
-            let end = src.rows.end_of(*r).max(lo);
-            let shift = *pad as isize - src_pad as isize;
-            for run in src.slots.runs_between(lo..end, model.slots, shift) {
-                planes.copy_from(src.planes.as_ref(), *r, run.slot, i, run.dst, run.len)?;
-            }
-        }
-        Ok(LayerCache {
-            layer: model.layer,
-            spec: model.spec,
-            slots: model.slots,
-            slack: model.slack,
-            planes,
-            rows: Rows::from_parts(pads, ends, held),
-            target: model.target,
-            start: model.start,
-            minimum_reusable_offset: sources
-                .iter()
-                .filter_map(|s| s.0.minimum_reusable_offset)
-                .max(),
-            bound: sources.iter().any(|s| s.0.bound),
-            isa: model.isa,
-        })
-    }
-
-    /// Each row's live keys and values in temporal order, `(1, kv_heads, len, dim)` f32 —
-    /// a drafter's read of this (target) cache.
-    pub fn capture_donor_rows(&self) -> Result<DonorRows, KvError> {
-        let linear = Slots::of(Retention::Full, 0);
-        let mut donor = DonorRows::default();
-        for r in 0..self.rows.batch() {
-            let pad = self.rows.left_pad()[r];
-            let lo = self.rows.held_from()[r].max(pad);
-            let end = self.rows.end_of(r);
-            let (mut ks, mut vs) = (Vec::new(), Vec::new());
-            for run in self.slots.runs_between(lo..end, linear, 0) {
-                let (k, v) = self.planes.read(r..r + 1, run.slot, run.len)?;
-                ks.push(k);
-                vs.push(v);
-            }
-            let (k, v) = if ks.is_empty() {
-                let (k, v) = self.planes.read(r..r + 1, 0, 0)?;
-                (k, v)
-            } else {
-                (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?)
-            };
-            donor.keys.push(k);
-            donor.values.push(v);
-            donor.offsets.push(self.rows.offsets()[r]);
-            donor.starts.push(lo);
-            donor.ends.push(end);
-        }
-        Ok(donor)
-    }
 }
 
 /// Each row's live keys and values in temporal order (a drafter reads these), with the

@@ -21,12 +21,15 @@ pub mod codec;
 mod error;
 mod isa;
 mod layer;
+mod relayout;
 pub mod planes;
 mod read;
 mod retention;
+mod rewind;
 pub mod rows;
 mod scheme;
 mod state;
+mod transition;
 
 pub use cache::{sliding_notice, KvCache};
 pub use error::KvError;
@@ -35,6 +38,10 @@ pub use layer::{AttentionCache, DonorRows, LayerCache};
 pub use read::AttentionRead;
 pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep};
 pub use state::{CacheState, LayerState, STATE_VERSION};
+
+/// The most slots a layer's planes may hold per row (a restored state claiming more is
+/// refused): far past any model's context.
+pub const MAX_CAPACITY: usize = 1 << 24;
 
 /// Capacity of full-retention storage grows in steps of this many positions, so that
 /// appends do not reallocate the whole cache every token.

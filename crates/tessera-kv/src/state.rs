@@ -8,7 +8,7 @@ use crate::layer::LayerCache;
 use crate::planes::{planes_for, PlanesState};
 use crate::retention::Slots;
 use crate::rows::Rows;
-use crate::{Codec, Isa, KvError, LayerSpec};
+use crate::{Codec, Isa, KvError, LayerSpec, PlainDType};
 use candle_core::Device;
 
 /// The version of [`CacheState`]'s layout; a state of another version is refused.
@@ -73,7 +73,19 @@ impl LayerCache {
                 state.layer
             )));
         }
-        let mut planes = planes_for(state.planes.codec, g, device)?;
+        let stage = state.planes.codec;
+        let staged = match state.target {
+            None => !stage.is_quantized(),
+            Some(t) => t.is_quantized() && (stage == t || stage == Codec::Plain(PlainDType::Bf16) || same_turbo(stage, t)),
+        };
+        if !staged {
+            return Err(KvError::BadState(format!(
+                "layer {}: planes of {stage} cannot be the storage of a layer converting to {}",
+                state.layer,
+                state.target.map_or("nothing".to_string(), |t| t.to_string())
+            )));
+        }
+        let mut planes = planes_for(stage, g, device)?;
         planes.restore(&state.planes)?;
         let mut rows = Rows::from_parts(
             state.left_pad.clone(),
@@ -133,4 +145,13 @@ impl KvCache {
         cache.set_prefill(state.prefill.clone());
         Ok(cache)
     }
+}
+
+/// Whether `stage` is turbo storage of `target`'s bit widths (its preparation is what was
+/// fitted, which the target names too).
+fn same_turbo(stage: Codec, target: Codec) -> bool {
+    matches!(
+        (stage, target),
+        (Codec::Turbo { kbits: a, vbits: b, .. }, Codec::Turbo { kbits: c, vbits: d, .. }) if a == c && b == d
+    )
 }

@@ -13,7 +13,7 @@ use crate::codec::affine::{dequantize_group, quantize_group, GroupParams};
 use crate::read::chunk;
 use crate::read::decode::DecodeShape;
 use crate::read::affine_tiles;
-use crate::{Codec, Isa, KvError};
+use crate::{MAX_CAPACITY, Codec, Isa, KvError};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use std::any::Any;
@@ -378,7 +378,10 @@ impl Planes for AffinePlanes {
 
     fn restore(&mut self, state: &PlanesState) -> Result<(), KvError> {
         check_state(self, state, 4)?;
-        let blocks = self.rows * self.heads * state.capacity;
+        let blocks = (self.rows * self.heads)
+            .checked_mul(state.capacity)
+            .filter(|_| state.capacity <= MAX_CAPACITY)
+            .ok_or_else(|| KvError::BadState(format!("a capacity of {} slots", state.capacity)))?;
         let mut planes = [self.keys.clone(), self.values.clone()];
         for (i, p) in planes.iter_mut().enumerate() {
             p.codes = from_bytes(&state.buffers[2 * i], "affine codes")?;

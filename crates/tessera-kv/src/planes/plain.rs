@@ -5,7 +5,7 @@
 
 use super::{check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes, PlanesState, RowSlots};
 use crate::read::decode::{self, DecodeShape, Element};
-use crate::{Codec, Isa, KvError, PlainDType};
+use crate::{MAX_CAPACITY, Codec, Isa, KvError, PlainDType};
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use std::any::Any;
@@ -290,7 +290,10 @@ impl Planes for PlainPlanes {
         let (mut keys, mut values) = (Data::new(self.dtype), Data::new(self.dtype));
         keys.load(&state.buffers[0])?;
         values.load(&state.buffers[1])?;
-        let blocks = self.blocks() * state.capacity;
+        let blocks = (self.blocks())
+            .checked_mul(state.capacity)
+            .filter(|_| state.capacity <= MAX_CAPACITY)
+            .ok_or_else(|| KvError::BadState(format!("a capacity of {} slots", state.capacity)))?;
         if keys.len() != blocks * g.head_dim || values.len() != blocks * g.value_dim {
             return Err(KvError::BadState(format!(
                 "plain planes of capacity {}: buffers of {} and {} elements",

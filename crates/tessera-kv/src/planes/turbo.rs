@@ -10,7 +10,7 @@ use crate::codec::prep::ChannelPrep;
 use crate::codec::turbo::{Codebook, Rotation};
 use crate::read::decode::DecodeShape;
 use crate::read::{chunk, turbo_tiles};
-use crate::{Codec, Isa, KvError, TurboPrep};
+use crate::{MAX_CAPACITY, Codec, Isa, KvError, TurboPrep};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use std::any::Any;
@@ -443,7 +443,10 @@ impl Planes for TurboPlanes {
 
     fn restore(&mut self, state: &PlanesState) -> Result<(), KvError> {
         check_state(self, state, 6)?;
-        let blocks = self.rows * self.heads * state.capacity;
+        let blocks = (self.rows * self.heads)
+            .checked_mul(state.capacity)
+            .filter(|_| state.capacity <= MAX_CAPACITY)
+            .ok_or_else(|| KvError::BadState(format!("a capacity of {} slots", state.capacity)))?;
         let mut planes = [self.keys.clone(), self.values.clone()];
         for (i, p) in planes.iter_mut().enumerate() {
             p.codes = from_bytes(&state.buffers[2 * i], "turbo codes")?;
