@@ -17,7 +17,11 @@ fn tessera(args: &[&str], stdin: &str) -> (i32, String, String) {
     // The process may exit (an error, say) before it reads its input: a broken pipe here is
     // its choice, not a failure; what it printed and its status are what is checked.
     if let Err(e) = child.stdin.take().unwrap().write_all(stdin.as_bytes()) {
-        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "writing stdin: {e}");
+        assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::BrokenPipe,
+            "writing stdin: {e}"
+        );
     }
     let out = child.wait_with_output().expect("runs");
     (

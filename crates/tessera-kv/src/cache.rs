@@ -192,18 +192,27 @@ impl KvCache {
     /// Positions an append may add before some layer's bf16-first transition (exactly
     /// there a prefill chunk should end); `None` where no transition lies ahead.
     pub fn max_append_tokens(&self) -> Option<usize> {
-        self.layers.iter().filter_map(|l| l.max_append_tokens()).min()
+        self.layers
+            .iter()
+            .filter_map(|l| l.max_append_tokens())
+            .min()
     }
 
     /// The earliest prefix a saved copy may be reused from (the offset at which a nonzero
     /// `quantized_kv_start` converted some layer).
     pub fn minimum_reusable_offset(&self) -> Option<usize> {
-        self.layers.iter().filter_map(|l| l.minimum_reusable_offset()).max()
+        self.layers
+            .iter()
+            .filter_map(|l| l.minimum_reusable_offset())
+            .max()
     }
 
     /// Builds a cache from rows of others: layer `l`'s row `i` is row `sources[i].1` of
     /// `caches[sources[i].0]`'s layer `l`, with left padding `sources[i].2`.
-    fn relayout(caches: &[&KvCache], sources: &[(usize, usize, usize)]) -> Result<KvCache, KvError> {
+    fn relayout(
+        caches: &[&KvCache],
+        sources: &[(usize, usize, usize)],
+    ) -> Result<KvCache, KvError> {
         let layers = caches.first().map_or(0, |c| c.layers.len());
         if let Some(c) = caches.iter().find(|c| c.layers.len() != layers) {
             return Err(KvError::Rows(format!(
@@ -225,41 +234,90 @@ impl KvCache {
                 LayerCache::relayout(&rows)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(KvCache::of_layers(built, sources.iter().map(|s| s.2).collect()))
+        Ok(KvCache::of_layers(
+            built,
+            sources.iter().map(|s| s.2).collect(),
+        ))
     }
 
     /// One batch of the rows of `caches`, in order, left padded to the widest (each cache
-    /// keeps its rows' alignment): codes copied as stored, for every codec.
-    pub fn merge(caches: Vec<KvCache>) -> Result<KvCache, KvError> {
-        let refs: Vec<&KvCache> = caches.iter().collect();
-        let width = refs.iter().map(|c| c.end()).max().unwrap_or(0);
+    /// keeps its rows' alignment): codes copied as stored, for every codec. A cache still in
+    /// the bf16 stage of a layer whose other caches have converted is converted first (the
+    /// quantized stage wins; its rows keep their own turbo fits).
+    pub fn merge(mut caches: Vec<KvCache>) -> Result<KvCache, KvError> {
+        Self::check_mergeable(&caches.iter().collect::<Vec<_>>())?;
+        Self::convert_stages(&mut caches.iter_mut().collect::<Vec<_>>())?;
+        Self::merged(&caches.iter().collect::<Vec<_>>())
+    }
+
+    /// Appends the rows of `other` after this cache's. Refused (this cache unchanged) where
+    /// [`KvCache::merge`] would be.
+    pub fn extend(&mut self, mut other: KvCache) -> Result<(), KvError> {
+        Self::check_mergeable(&[&*self, &other])?;
+        Self::convert_stages(&mut [&mut *self, &mut other])?;
+        *self = Self::merged(&[&*self, &other])?;
+        Ok(())
+    }
+
+    /// Everything a merge checks before it changes anything.
+    fn check_mergeable(caches: &[&KvCache]) -> Result<(), KvError> {
+        let Some(first) = caches.first() else {
+            return Err(KvError::Rows("a merge needs at least one cache".into()));
+        };
+        for c in caches {
+            if c.layers.len() != first.layers.len() {
+                return Err(KvError::Rows(format!(
+                    "caches of {} and {} layers cannot share rows",
+                    first.layers.len(),
+                    c.layers.len()
+                )));
+            }
+            if c.prefill.is_some() {
+                return Err(KvError::Rows(
+                    "rows cannot move while a prefill is prepared (finalize it first)".into(),
+                ));
+            }
+            for (a, b) in first.layers.iter().zip(&c.layers) {
+                a.check_compatible(b, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Converts every layer still in its bf16 stage where another cache's same layer has
+    /// converted.
+    fn convert_stages(caches: &mut [&mut KvCache]) -> Result<(), KvError> {
+        let layers = caches.first().map_or(0, |c| c.layers.len());
+        for l in 0..layers {
+            if caches.iter().any(|c| !c.layers[l].awaiting_conversion()) {
+                for c in caches.iter_mut() {
+                    c.layers[l].convert()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn merged(caches: &[&KvCache]) -> Result<KvCache, KvError> {
+        let width = caches.iter().map(|c| c.end()).max().unwrap_or(0);
         let mut sources = Vec::new();
-        for (i, c) in refs.iter().enumerate() {
+        for (i, c) in caches.iter().enumerate() {
             let shift = width - c.end();
             for (r, pad) in c.left_pad().iter().enumerate() {
                 sources.push((i, r, pad + shift));
             }
         }
-        Self::relayout(&refs, &sources)
-    }
-
-    /// Appends the rows of `other` after this cache's.
-    pub fn extend(&mut self, other: KvCache) -> Result<(), KvError> {
-        let this = std::mem::take(self);
-        match KvCache::merge(vec![this, other]) {
-            Ok(merged) => {
-                *self = merged;
-                Ok(())
-            }
-            Err(e) => Err(e),
-        }
+        Self::relayout(caches, &sources)
     }
 
     /// Keeps rows `keep`, in that order, and slices off the left padding they all share.
     pub fn filter(&mut self, keep: &[usize]) -> Result<(), KvError> {
         let pads = self.left_pad().to_vec();
         if let Some(&r) = keep.iter().find(|&&r| r >= pads.len()) {
-            return Err(KvError::Rows(format!("row {r} of a cache of {} rows", pads.len())));
+            return Err(KvError::Rows(format!(
+                "row {r} of a cache of {} rows",
+                pads.len()
+            )));
         }
         let shared = keep.iter().map(|&r| pads[r]).min().unwrap_or(0);
         let sources: Vec<_> = keep.iter().map(|&r| (0, r, pads[r] - shared)).collect();
@@ -270,7 +328,10 @@ impl KvCache {
     /// Row `row` as a one-row cache of the same codecs, its live span only.
     pub fn extract(&self, row: usize) -> Result<KvCache, KvError> {
         if row >= self.batch() {
-            return Err(KvError::Rows(format!("row {row} of a cache of {} rows", self.batch())));
+            return Err(KvError::Rows(format!(
+                "row {row} of a cache of {} rows",
+                self.batch()
+            )));
         }
         Self::relayout(&[self], &[(0, row, 0)])
     }
@@ -286,7 +347,11 @@ impl KvCache {
         if left_pad == self.left_pad() {
             return Ok(());
         }
-        let sources: Vec<_> = left_pad.iter().enumerate().map(|(r, &p)| (0, r, p)).collect();
+        let sources: Vec<_> = left_pad
+            .iter()
+            .enumerate()
+            .map(|(r, &p)| (0, r, p))
+            .collect();
         *self = Self::relayout(&[self], &sources)?;
         Ok(())
     }
@@ -303,7 +368,9 @@ impl KvCache {
             });
         }
         if self.layers.iter().any(|l| l.rows().round().is_some()) {
-            return Err(KvError::Rows("a prefill cannot start inside a speculative round".into()));
+            return Err(KvError::Rows(
+                "a prefill cannot start inside a speculative round".into(),
+            ));
         }
         self.prefill = Some(right_pad.to_vec());
         Ok(())

@@ -52,6 +52,9 @@ pub trait AttentionCache {
     fn signature(&self) -> String;
 }
 
+/// A ring chunk's own planes, each row's first position in them, and the slots they span.
+type RingSpan = (Box<dyn Planes>, Vec<usize>, usize);
+
 /// How the queries of an append see keys.
 #[derive(Clone, Copy)]
 enum Visibility<'b> {
@@ -273,7 +276,7 @@ impl LayerCache {
         k: &Tensor,
         v: &Tensor,
         ends: &[usize],
-    ) -> Result<(Box<dyn Planes>, Vec<usize>, usize), KvError> {
+    ) -> Result<RingSpan, KvError> {
         let n = k.dims()[2];
         let rows = self.rows.batch();
         let pads = self.rows.left_pad();
@@ -295,7 +298,12 @@ impl LayerCache {
         let mut a = 0;
         while a < rows {
             let b = a + kept[a..].iter().take_while(|&&c| c == kept[a]).count();
-            span.write(a..b, kept[a], &Self::part(k, a..b, 0, n)?, &Self::part(v, a..b, 0, n)?)?;
+            span.write(
+                a..b,
+                kept[a],
+                &Self::part(k, a..b, 0, n)?,
+                &Self::part(v, a..b, 0, n)?,
+            )?;
             a = b;
         }
         Ok((span, firsts, width))
@@ -307,16 +315,16 @@ impl LayerCache {
         let (Some(before), Some(window)) = (self.rows.round(), self.slots.window) else {
             return Ok(());
         };
-        for r in 0..self.rows.batch() {
+        for (r, &back_to) in before.iter().enumerate() {
             let pad = self.rows.left_pad()[r];
-            let back_to = pad + before[r];
             let needed = self.slots.first_visible(back_to, pad);
-            let held = self.rows.held_from()[r].max((self.rows.end_of(r) + n).saturating_sub(self.slots.ring));
+            let held = self.rows.held_from()[r]
+                .max((self.rows.end_of(r) + n).saturating_sub(self.slots.ring));
             if needed < back_to && held > needed {
                 return Err(KvError::RingOverwritten {
                     layer: self.layer,
                     row: r,
-                    wanted: before[r],
+                    wanted: before[r].saturating_sub(pad),
                     window,
                     slots: self.slots.ring,
                     needed,
@@ -358,7 +366,8 @@ impl LayerCache {
         let ends = self.rows.ends();
         let pads = self.rows.left_pad().to_vec();
         let width = ends.iter().max().copied().unwrap_or(0) + n;
-        self.planes.reserve(self.slots.capacity(width), self.slots.ring)?;
+        self.planes
+            .reserve(self.slots.capacity(width), self.slots.ring)?;
         if n == 1 && matches!(visibility, Visibility::Causal) {
             self.store(k, v, &ends)?;
             let rows = (0..ends.len())
@@ -416,7 +425,8 @@ impl LayerCache {
                 let RowSpan { start, first, .. } = geometry.rows[r];
                 // Key slot j holds position first + j: chunk index first + j - start.
                 let own = (first + j).checked_sub(start).filter(|&c| c < n);
-                let same_block = own.is_some_and(|c| block_of(r, i).is_some_and(|b| block_of(r, c) == Some(b)));
+                let same_block =
+                    own.is_some_and(|c| block_of(r, i).is_some_and(|b| block_of(r, c) == Some(b)));
                 if encoder {
                     same_block || (block_of(r, i).is_none() && own == Some(i))
                 } else {
@@ -434,7 +444,6 @@ impl LayerCache {
             None => PlanesRef::Borrowed(self.planes.as_ref()),
         }
     }
-
 }
 
 /// Each row's live keys and values in temporal order (a drafter reads these), with the
@@ -500,13 +509,36 @@ impl AttentionCache for LayerCache {
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         for (r, (sk, sv)) in donor.keys.iter().zip(&donor.values).enumerate() {
             let missing = longest - sk.dims()[2];
-            let pad = |x: &Tensor| -> Result<Tensor, KvError> { Ok(x.pad_with_zeros(2, missing, 0)?) };
-            keys.push(Tensor::cat(&[&pad(&sk.to_device(k.device())?)?, &as_stored(&k.narrow(0, r, 1)?)?], 2)?);
-            values.push(Tensor::cat(&[&pad(&sv.to_device(k.device())?)?, &as_stored(&v.narrow(0, r, 1)?)?], 2)?);
+            let pad =
+                |x: &Tensor| -> Result<Tensor, KvError> { Ok(x.pad_with_zeros(2, missing, 0)?) };
+            keys.push(Tensor::cat(
+                &[
+                    &pad(&sk.to_device(k.device())?)?,
+                    &as_stored(&k.narrow(0, r, 1)?)?,
+                ],
+                2,
+            )?);
+            values.push(Tensor::cat(
+                &[
+                    &pad(&sv.to_device(k.device())?)?,
+                    &as_stored(&v.narrow(0, r, 1)?)?,
+                ],
+                2,
+            )?);
         }
         let lens: Vec<usize> = donor.keys.iter().map(|k| k.dims()[2]).collect();
-        let mask = mask_of(lens.len(), n, longest + n, |r, _, j| j >= longest - lens[r], k.device())?;
-        Ok(AttentionRead::dense(Tensor::cat(&keys, 0)?, Tensor::cat(&values, 0)?, Some(mask)))
+        let mask = mask_of(
+            lens.len(),
+            n,
+            longest + n,
+            |r, _, j| j >= longest - lens[r],
+            k.device(),
+        )?;
+        Ok(AttentionRead::dense(
+            Tensor::cat(&keys, 0)?,
+            Tensor::cat(&values, 0)?,
+            Some(mask),
+        ))
     }
 
     fn offset(&self) -> usize {

@@ -10,21 +10,32 @@ use crate::{KvError, Retention};
 use candle_core::Tensor;
 
 impl LayerCache {
-    /// Whether `other` stores positions exactly as this layer does (same spec, codec stage,
-    /// transition and slack), so rows can move between them.
-    pub(crate) fn check_compatible(&self, other: &LayerCache) -> Result<(), KvError> {
+    /// Whether `other` stores positions as this layer does (same spec, transition and slack,
+    /// and the same codec stage — or, with `stages_may_differ`, one still in the bf16 stage of
+    /// the other's codec, which a merge converts first), so rows can move between them.
+    pub(crate) fn check_compatible(
+        &self,
+        other: &LayerCache,
+        stages_may_differ: bool,
+    ) -> Result<(), KvError> {
+        let stage = self.planes.codec() == other.planes.codec()
+            || (stages_may_differ
+                && self.target.is_some()
+                && (self.awaiting_conversion() || other.awaiting_conversion()));
         let same = self.spec == other.spec
-            && self.planes.codec() == other.planes.codec()
+            && stage
             && self.target == other.target
             && self.start == other.start
             && self.slack == other.slack;
         if !same {
             return Err(KvError::Rows(format!(
-                "layer {}: rows of {} (slack {}) cannot join rows of {} (slack {})",
+                "layer {}: rows of {} stored as {} (slack {}) cannot join rows of {} stored as {} (slack {})",
                 self.layer,
                 other.signature(),
+                other.planes.codec(),
                 other.slack,
                 self.signature(),
+                self.planes.codec(),
                 self.slack
             )));
         }
@@ -46,7 +57,7 @@ impl LayerCache {
             return Err(KvError::Rows("a cache needs at least one row".into()));
         };
         for (src, row, _) in sources {
-            model.check_compatible(src)?;
+            model.check_compatible(src, false)?;
             if *row >= src.rows.batch() {
                 return Err(KvError::Rows(format!(
                     "row {row} of a cache of {} rows",
@@ -62,11 +73,15 @@ impl LayerCache {
             .collect();
         let held: Vec<usize> = sources
             .iter()
-            .map(|(c, r, pad)| c.rows.held_from()[*r].max(c.rows.left_pad()[*r]) - c.rows.left_pad()[*r] + pad)
+            .map(|(c, r, pad)| {
+                c.rows.held_from()[*r].max(c.rows.left_pad()[*r]) - c.rows.left_pad()[*r] + pad
+            })
             .collect();
         let width = ends.iter().max().copied().unwrap_or(0);
         let mut planes = model.planes.empty(rows)?;
-        planes.reserve(model.slots.capacity(width), model.slots.ring)?;
+        // Room for the next append too: a width on a growth step would otherwise regrow (and
+        // copy) the whole layer at the first decode after a merge.
+        planes.reserve(model.slots.capacity(width + 1), model.slots.ring)?;
         for (i, (src, r, pad)) in sources.iter().enumerate() {
             planes.adopt_row(src.planes.as_ref(), *r, i)?;
             let src_pad = src.rows.left_pad()[*r];

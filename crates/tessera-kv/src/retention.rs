@@ -68,8 +68,15 @@ impl Slots {
         while pos < positions.end {
             let slot = self.slot(pos);
             let dst = to.slot((pos as isize + shift) as usize);
-            let len = (positions.end - pos).min(self.ring - slot).min(to.ring - dst);
-            runs.push(Run { pos, slot, dst, len });
+            let len = (positions.end - pos)
+                .min(self.ring - slot)
+                .min(to.ring - dst);
+            runs.push(Run {
+                pos,
+                slot,
+                dst,
+                len,
+            });
             pos += len;
         }
         runs
@@ -84,10 +91,14 @@ impl Slots {
     /// The slots the query at position `pos` of a row padded by `pad` sees, as at most two
     /// ranges; a padding query sees only itself.
     pub fn visible_slots(&self, pos: usize, pad: usize) -> Vec<Range<usize>> {
-        let lo = if pos < pad { pos } else { self.first_visible(pos, pad) };
+        let lo = if pos < pad {
+            pos
+        } else {
+            self.first_visible(pos, pad)
+        };
         let (a, b) = (self.slot(lo), self.slot(pos));
         if a <= b {
-            vec![a..b + 1]
+            std::iter::once(a..b + 1).collect()
         } else {
             vec![a..self.ring, 0..b + 1]
         }
@@ -103,12 +114,38 @@ mod tests {
         let s = Slots::of(Retention::Window { size: 6 }, 2); // 8 slots
         assert_eq!(
             s.runs(5..12),
-            vec![Run { pos: 5, slot: 5, dst: 5, len: 3 }, Run { pos: 8, slot: 0, dst: 0, len: 4 }]
+            vec![
+                Run {
+                    pos: 5,
+                    slot: 5,
+                    dst: 5,
+                    len: 3
+                },
+                Run {
+                    pos: 8,
+                    slot: 0,
+                    dst: 0,
+                    len: 4
+                }
+            ]
         );
         // Twenty positions into eight slots: only the last eight are stored.
         assert_eq!(
             s.runs(0..20),
-            vec![Run { pos: 12, slot: 4, dst: 4, len: 4 }, Run { pos: 16, slot: 0, dst: 0, len: 4 }]
+            vec![
+                Run {
+                    pos: 12,
+                    slot: 4,
+                    dst: 4,
+                    len: 4
+                },
+                Run {
+                    pos: 16,
+                    slot: 0,
+                    dst: 0,
+                    len: 4
+                }
+            ]
         );
         assert_eq!(s.first_visible(10, 0), 5);
         assert_eq!(s.visible_slots(9, 0), vec![4..8, 0..2]);
@@ -118,12 +155,33 @@ mod tests {
     #[test]
     fn full_retention_is_identity() {
         let s = Slots::of(Retention::Full, 0);
-        assert_eq!(s.runs(3..9), vec![Run { pos: 3, slot: 3, dst: 3, len: 6 }]);
+        assert_eq!(
+            s.runs(3..9),
+            vec![Run {
+                pos: 3,
+                slot: 3,
+                dst: 3,
+                len: 6
+            }]
+        );
         // Moved two positions later in a ring of 8: split where the destination wraps.
         let ring = Slots::of(Retention::Window { size: 8 }, 0);
         assert_eq!(
             s.runs_between(3..9, ring, 2),
-            vec![Run { pos: 3, slot: 3, dst: 5, len: 3 }, Run { pos: 6, slot: 6, dst: 0, len: 3 }]
+            vec![
+                Run {
+                    pos: 3,
+                    slot: 3,
+                    dst: 5,
+                    len: 3
+                },
+                Run {
+                    pos: 6,
+                    slot: 6,
+                    dst: 0,
+                    len: 3
+                }
+            ]
         );
         assert_eq!(s.visible_slots(9, 2), vec![2..10]);
     }

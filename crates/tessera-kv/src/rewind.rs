@@ -113,5 +113,4 @@ impl LayerCache {
             .round()
             .ok_or_else(|| KvError::Rows("no speculative round is open".into()))
     }
-
 }

@@ -31,7 +31,11 @@ impl Rows {
     }
 
     /// Rows with the given padding, ends and oldest held positions.
-    pub(crate) fn from_parts(left_pad: Vec<usize>, ends: Vec<usize>, held_from: Vec<usize>) -> Self {
+    pub(crate) fn from_parts(
+        left_pad: Vec<usize>,
+        ends: Vec<usize>,
+        held_from: Vec<usize>,
+    ) -> Self {
         Rows {
             left_pad,
             ends,
@@ -90,6 +94,11 @@ impl Rows {
 
     /// Sets each row's end (a trim or rollback; checked by the caller).
     pub(crate) fn set_ends(&mut self, ends: Vec<usize>) {
+        // A row rewound below everything it still holds holds nothing: what it appends next
+        // is stored from its new end on.
+        for (held, end) in self.held_from.iter_mut().zip(&ends) {
+            *held = (*held).min(*end);
+        }
         self.ends = ends;
     }
 

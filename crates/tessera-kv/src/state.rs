@@ -76,13 +76,20 @@ impl LayerCache {
         let stage = state.planes.codec;
         let staged = match state.target {
             None => !stage.is_quantized(),
-            Some(t) => t.is_quantized() && (stage == t || stage == Codec::Plain(PlainDType::Bf16) || same_turbo(stage, t)),
+            Some(t) => {
+                t.is_quantized()
+                    && (stage == t
+                        || stage == Codec::Plain(PlainDType::Bf16)
+                        || same_turbo(stage, t))
+            }
         };
         if !staged {
             return Err(KvError::BadState(format!(
                 "layer {}: planes of {stage} cannot be the storage of a layer converting to {}",
                 state.layer,
-                state.target.map_or("nothing".to_string(), |t| t.to_string())
+                state
+                    .target
+                    .map_or("nothing".to_string(), |t| t.to_string())
             )));
         }
         let mut planes = planes_for(stage, g, device)?;
@@ -122,7 +129,11 @@ impl KvCache {
     pub fn state(&self) -> Result<CacheState, KvError> {
         Ok(CacheState {
             version: STATE_VERSION,
-            layers: self.layers().iter().map(|l| l.state()).collect::<Result<_, _>>()?,
+            layers: self
+                .layers()
+                .iter()
+                .map(|l| l.state())
+                .collect::<Result<_, _>>()?,
             left_pad: self.left_pad().to_vec(),
             prefill: self.prefill().map(<[usize]>::to_vec),
         })

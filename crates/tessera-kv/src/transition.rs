@@ -5,6 +5,7 @@
 use crate::layer::LayerCache;
 use crate::planes::{planes_for, Planes};
 use crate::{Codec, KvError};
+use candle_core::Tensor;
 use std::ops::Range;
 
 impl LayerCache {
@@ -28,10 +29,21 @@ impl LayerCache {
     /// converts is read from them).
     pub(crate) fn convert_if_due(&mut self) -> Result<Option<Box<dyn Planes>>, KvError> {
         let width = self.rows.width();
+        if width < self.start || width == 0 {
+            return Ok(None);
+        }
+        self.convert()
+    }
+
+    /// Converts now, wherever the transition stands (rows joining a batch that has already
+    /// converted: the quantized stage wins). A layer with nothing to convert to, or already
+    /// converted, is left as it is.
+    pub(crate) fn convert(&mut self) -> Result<Option<Box<dyn Planes>>, KvError> {
+        let width = self.rows.width();
         let Some(target) = self.target else {
             return Ok(None);
         };
-        if !self.awaiting_conversion() || width < self.start || width == 0 {
+        if !self.awaiting_conversion() {
             return Ok(None);
         }
         let used = self.slots.capacity(width);
@@ -39,8 +51,8 @@ impl LayerCache {
         let (k, v) = self.planes.read(0..rows, 0, used)?;
         let mut converted = planes_for(target, self.geometry(), k.device())?;
         if let Codec::Turbo { prep, .. } = target {
-            let live: Vec<Range<usize>> = (0..rows).map(|r| self.live_slots(r)).collect();
-            converted.fit_key_prep(&k, &live, prep)?;
+            let (keys, live) = self.live_keys()?;
+            converted.fit_key_prep(&keys, &live, prep)?;
         }
         let capacity = self.planes.capacity().min(self.slots.ring).max(used);
         converted.reserve(capacity, self.slots.ring)?;
@@ -52,26 +64,19 @@ impl LayerCache {
         Ok(Some(retired))
     }
 
-    /// The slots holding row `row`'s live positions, as one range (a wrapped ring whose
-    /// live positions do not cover it: the longer of its two runs — what a key preparation
-    /// is fitted on).
-    pub(crate) fn live_slots(&self, row: usize) -> Range<usize> {
-        let lo = self.rows.held_from()[row].max(self.rows.left_pad()[row]);
-        let end = self.rows.end_of(row);
-        if end <= lo {
-            return 0..0;
-        }
-        if end - lo >= self.slots.ring {
-            return 0..self.slots.ring;
-        }
-        let (a, b) = (self.slots.slot(lo), self.slots.slot(end - 1) + 1);
-        if a < b {
-            a..b
-        } else if self.slots.ring - a >= b {
-            a..self.slots.ring
-        } else {
-            0..b
-        }
+    /// Each row's live keys in temporal order, `(rows, heads, longest, head_dim)` (shorter
+    /// rows zero-filled after their end), and the span each row's live keys fill: what a
+    /// row's TurboQuant key preparation is fitted on (every live key, however a ring has
+    /// placed them; no padding).
+    fn live_keys(&self) -> Result<(Tensor, Vec<Range<usize>>), KvError> {
+        let donor = self.capture_donor_rows()?;
+        let longest = donor.keys.iter().map(|k| k.dims()[2]).max().unwrap_or(0);
+        let live: Vec<Range<usize>> = donor.keys.iter().map(|k| 0..k.dims()[2]).collect();
+        let keys = donor
+            .keys
+            .iter()
+            .map(|k| k.pad_with_zeros(2, 0, longest - k.dims()[2]))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((Tensor::cat(&keys, 0)?, live))
     }
-
 }

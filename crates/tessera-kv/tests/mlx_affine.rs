@@ -1,7 +1,7 @@
 //! tessera's affine codec against golden vectors made by mlx itself: `mx.quantize` of mlx's
 //! Linux CPU wheel (`tests/data/make_mlx_affine.py` writes `tests/data/mlx_affine.json`;
 //! it records the mlx version). Codes, scales and biases are compared bit for bit, through
-//! both [`tessera_kv::affine::quantize_group`] and the stored [`AffinePlanes`].
+//! both [`tessera_kv::codec::affine::quantize_group`] and the stored [`AffinePlanes`].
 //!
 //! Inputs are f32 values bf16 represents exactly (the planes round to bf16 before
 //! quantizing, so this is what they quantize). mlx was given f32, so its scales and biases
@@ -10,7 +10,7 @@
 //! scales and biases in the input dtype, bf16 for bf16 inputs; tessera stores f16).
 //!
 //! Where they differ, mlx's CPU kernel (`mlx/backend/cpu/quantized.cpp`) is not what
-//! `src/affine.rs` follows, which is mlx's Metal kernel (`affine_quantize` in
+//! `src/codec/affine.rs` follows, which is mlx's Metal kernel (`affine_quantize` in
 //! `backend/metal/kernels/quantized.h`, the one mlx-lm runs on Apple GPUs). Two differences,
 //! each checked here to be the whole of the discrepancy:
 //!
@@ -32,8 +32,8 @@
 use half::f16;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use tessera_kv::affine::{self, GroupParams};
-use tessera_kv::affine_planes::AffinePlanes;
+use tessera_kv::codec::affine::{self, GroupParams};
+use tessera_kv::planes::{AffinePlanes, Planes};
 
 const GOLDEN: &str = include_str!("data/mlx_affine.json");
 
@@ -133,11 +133,11 @@ fn affine_quantization_matches_mlx_bit_for_bit_or_by_the_named_differences() {
 
         // The stored planes: the rows as positions of one (row, head) block.
         let mut planes = AffinePlanes::new(bits, group, 1, 1, dim, dim);
-        planes.reserve(rows, usize::MAX);
+        planes.reserve(rows, usize::MAX).unwrap();
         let t =
             candle_core::Tensor::from_vec(w.clone(), (1, 1, rows, dim), &candle_core::Device::Cpu)
                 .unwrap();
-        planes.write(0, &t, &t).unwrap();
+        planes.write(0..1, 0, &t, &t).unwrap();
         let [(stored_codes, stored_params), _] = planes.raw();
 
         let tally = tallies.entry(bits).or_default();

@@ -9,10 +9,10 @@
 
 use candle_core::{Device, Tensor};
 use proptest::prelude::*;
-use tessera_kv::affine_planes::AffinePlanes;
-use tessera_kv::turbo_planes::TurboPlanes;
+use tessera_kv::planes::{AffinePlanes, Planes, TurboPlanes};
 use tessera_kv::{
-    AttentionCache, Codec, Isa, KvCache, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep,
+    AttentionCache, Codec, Isa, KvCache, KvError, KvScheme, LayerSpec, PlainDType, Retention,
+    TurboPrep,
 };
 
 struct Reference {
@@ -117,12 +117,14 @@ struct Case {
 /// What a read returns for each stored position, from each codec's own definition: plain
 /// dtypes round the input; a quantized codec holds bf16 until the append that converts it
 /// (that append is read in bf16 too) and afterwards returns each position quantized and
-/// dequantized on its own (`as_stored`), turbo keys with the preparation fitted once, at
-/// conversion, on the bf16 keys the layer held then.
+/// dequantized on its own (`as_stored`), turbo keys with the preparation fitted once per
+/// row, at conversion, on the bf16 keys that row held then at its live (non-padding)
+/// positions.
 struct StoredModel {
     codec: Codec,
     quantized: bool,
-    turbo: Option<TurboPlanes>,
+    /// Turbo: one 1-row planes per row, holding that row's fitted key preparation.
+    turbo: Vec<TurboPlanes>,
 }
 
 fn rounded(x: &Tensor, dtype: PlainDType) -> Vec<f32> {
@@ -150,10 +152,30 @@ impl StoredModel {
                 flat(planes.as_stored(x).unwrap())
             }
             (Codec::Turbo { .. }, true) => {
-                flat(self.turbo.as_ref().unwrap().as_stored(x, keys).unwrap())
+                assert_eq!(self.turbo.len(), x.dims()[0], "one fitted row per row");
+                let rows: Vec<Tensor> = self
+                    .turbo
+                    .iter()
+                    .enumerate()
+                    .map(|(r, planes)| {
+                        planes
+                            .as_stored(0, &x.narrow(0, r, 1).unwrap(), keys)
+                            .unwrap()
+                    })
+                    .collect();
+                flat(Tensor::cat(&rows, 0).unwrap())
             }
         }
     }
+}
+
+/// The positions a row's turbo key preparation is fitted on at conversion: every live
+/// (non-padding) position among `held` (the positions the layer holds, in slot order), in
+/// temporal order — however a wrapped ring has placed them.
+fn fitted_positions(held: &[usize], pad: usize) -> Vec<usize> {
+    let mut live: Vec<usize> = held.iter().copied().filter(|&p| p >= pad).collect();
+    live.sort_unstable();
+    live
 }
 
 /// Positions `positions` of `raw` (`[row][head][pos]`) as a `(rows, heads, len, dim)` tensor.
@@ -255,7 +277,7 @@ fn check_reads(case: &Case) {
     let mut model = StoredModel {
         codec,
         quantized: false,
-        turbo: None,
+        turbo: Vec::new(),
     };
     let mut seed = seed;
     let scale = 1.0 / (d as f32).sqrt();
@@ -332,15 +354,23 @@ fn check_reads(case: &Case) {
                 _ => (0..end).collect(),
             };
             if let Codec::Turbo { kbits, vbits, prep } = codec {
-                let mut planes = TurboPlanes::new(kbits, vbits, b, kvh, d, d);
-                let bf16 = Tensor::from_vec(
-                    rounded(&gather(&raw_k, &held), PlainDType::Bf16),
-                    (b, kvh, held.len(), d),
-                    &Device::Cpu,
-                )
-                .unwrap();
-                planes.fit_key_prep(&bf16, prep).unwrap();
-                model.turbo = Some(planes);
+                // Each row's own preparation, fitted on its live positions only.
+                model.turbo = (0..b)
+                    .map(|row| {
+                        let live = fitted_positions(&held, pads[row]);
+                        let mut planes = TurboPlanes::new(kbits, vbits, 1, kvh, d, d);
+                        let bf16 = Tensor::from_vec(
+                            rounded(&gather(&raw_k[row..row + 1], &live), PlainDType::Bf16),
+                            (1, kvh, live.len(), d),
+                            &Device::Cpu,
+                        )
+                        .unwrap();
+                        planes
+                            .fit_key_prep(&bf16, std::slice::from_ref(&(0..live.len())), prep)
+                            .unwrap();
+                        planes
+                    })
+                    .collect();
             }
             model.quantized = true;
             let (sk, sv) = (
@@ -411,43 +441,173 @@ fn left_padded_rows_with_window() {
     run_case(1, 2, 16, Some(8), vec![0, 3, 6], &[7, 1, 1, 12, 1], 3);
 }
 
+/// Appends `n` fresh positions to layer `layer` of `cache` and checks the read against
+/// [`reference_attend_at`] over `reference` (bf16 storage, one row, one KV head, two query
+/// heads, head_dim 8), which takes the new positions too.
+fn append_checked(
+    cache: &mut KvCache,
+    layer: usize,
+    reference: &mut Reference,
+    window: Option<usize>,
+    n: usize,
+    seed: &mut u64,
+) {
+    let d = 8;
+    let (k, _) = random((1, 1, n, d), seed);
+    let (v, _) = random((1, 1, n, d), seed);
+    let (q, qd) = random((1, 2, n, d), seed);
+    let start = reference.keys[0][0].len();
+    assert_eq!(cache.layers()[layer].rows().end_of(0), start);
+    let (sk, sv) = (rounded(&k, PlainDType::Bf16), rounded(&v, PlainDType::Bf16));
+    for i in 0..n {
+        reference.keys[0][0].push(sk[i * d..][..d].to_vec());
+        reference.values[0][0].push(sv[i * d..][..d].to_vec());
+    }
+    let scale = 0.35;
+    let queries: Vec<usize> = (0..n).collect();
+    let want = reference_attend_at(
+        reference,
+        &qd,
+        (1, 2, n, d),
+        1,
+        start,
+        &[0],
+        window,
+        scale,
+        &queries,
+    );
+    let isa = cache.layers()[layer].isa();
+    let l = cache.layer_mut(layer);
+    let read = if n == 1 {
+        l.append_decode(&k, &v).unwrap()
+    } else {
+        l.append_window(&k, &v).unwrap()
+    };
+    let got: Vec<f32> = read
+        .attend(&q, scale)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= TOLERANCE * (1.0 + w.abs()),
+            "{isa}, layer {layer}, {n} at {start}, output {i}: {g} vs {w}"
+        );
+    }
+}
+
+/// Trims on a full layer and a sliding-window ring (window 4, `slack` extra slots), checked
+/// against the reference. A full layer trims anything it holds. A ring of `4 + slack` slots
+/// that has wrapped holds positions `end − 4 − slack .. end`; after a trim of `t` the next
+/// query, at `end − t`, needs positions from `end − t − 3`, so the ring trims up to
+/// `slack + 1` positions and refuses one more with `RingOverwritten` (changing nothing on
+/// any layer). After an allowed trim the reads still match the reference.
 #[test]
-fn trim_full_then_continue_and_wrapped_ring_refuses() {
+fn trim_full_then_continue_and_wrapped_ring_trims_what_it_still_holds() {
     let spec = |retention| LayerSpec {
         kv_heads: 1,
         head_dim: 8,
         value_dim: 8,
         retention,
     };
+    let window = 4;
+    let windows = [None, Some(window)];
     let scheme = KvScheme::uniform(Codec::Plain(PlainDType::Bf16));
-    let mut cache = KvCache::new(
-        &[spec(Retention::Full), spec(Retention::Window { size: 4 })],
-        &scheme,
-        vec![0],
-    )
-    .unwrap();
-    let mut seed = 9;
-    for layer in 0..2 {
-        let (k, _) = random((1, 1, 3, 8), &mut seed);
-        cache.layer_mut(layer).append_window(&k, &k).unwrap();
+    for isa in Isa::supported() {
+        for slack in [0usize, 2] {
+            let ring = window + slack;
+            let mut cache = KvCache::new(
+                &[
+                    spec(Retention::Full),
+                    spec(Retention::Window { size: window }),
+                ],
+                &scheme,
+                vec![0],
+            )
+            .unwrap()
+            .with_isa(isa)
+            .with_round_slack(slack);
+            assert_eq!(cache.layers()[1].round_slack(), slack);
+            let mut refs: Vec<Reference> = (0..2)
+                .map(|_| Reference {
+                    keys: vec![vec![Vec::new()]],
+                    values: vec![vec![Vec::new()]],
+                })
+                .collect();
+            let mut seed = 9 + slack as u64;
+            let mut append = |cache: &mut KvCache, refs: &mut [Reference], n: usize| {
+                for (layer, r) in refs.iter_mut().enumerate() {
+                    append_checked(cache, layer, r, windows[layer], n, &mut seed);
+                }
+            };
+            let trim_refs = |refs: &mut [Reference], end: usize| {
+                for r in refs.iter_mut() {
+                    r.keys[0][0].truncate(end);
+                    r.values[0][0].truncate(end);
+                }
+            };
+            // A ring that has not wrapped trims like a full layer.
+            append(&mut cache, &mut refs, 3);
+            cache.trim(2).unwrap();
+            assert_eq!(cache.end(), 1);
+            trim_refs(&mut refs, 1);
+            append(&mut cache, &mut refs, 6);
+            append(&mut cache, &mut refs, 1);
+            append(&mut cache, &mut refs, 1);
+            append(&mut cache, &mut refs, 1);
+            for round in 0..2 {
+                let end = cache.end();
+                assert!(end > ring, "the ring has wrapped");
+                assert_eq!(cache.layers()[1].rows().held_from(), &[end - ring]);
+                // One past the boundary: the next query would need a position the ring
+                // overwrote.
+                let err = cache.trim(slack + 2).unwrap_err();
+                match err {
+                    KvError::RingOverwritten {
+                        layer,
+                        row,
+                        wanted,
+                        window: w,
+                        slots,
+                        needed,
+                        held,
+                    } => {
+                        assert_eq!((layer, row, w, slots), (1, 0, window, ring), "{err}");
+                        assert_eq!(wanted, end - slack - 2, "{err}");
+                        assert_eq!(needed, end - slack - 2 + 1 - window, "{err}");
+                        assert_eq!(held, end - ring, "{err}");
+                        assert_eq!(needed + 1, held, "exactly one position short: {err}");
+                    }
+                    other => panic!("slack {slack} round {round}: {other}"),
+                }
+                assert_eq!(cache.end(), end, "a refused trim changes nothing");
+                assert_eq!(cache.layers()[0].rows().ends(), vec![end]);
+                let err = cache.trim(end + 1).unwrap_err();
+                assert!(
+                    matches!(err, KvError::TrimTooFar { requested, held, .. } if requested == end + 1 && held == end),
+                    "{err}"
+                );
+                assert_eq!(cache.end(), end);
+                // At the boundary: every position the next query needs is still held.
+                cache.trim(slack + 1).unwrap();
+                assert_eq!(cache.end(), end - slack - 1);
+                trim_refs(&mut refs, end - slack - 1);
+                append(&mut cache, &mut refs, 1);
+                append(&mut cache, &mut refs, 3);
+                append(&mut cache, &mut refs, 1);
+            }
+            assert_eq!(cache.bytes_per_token(), 2 * (8 + 8) * 2);
+            assert_eq!(
+                cache.signatures(),
+                vec![
+                    "kv:plain:bf16".to_string(),
+                    "kv:window4:plain:bf16".to_string()
+                ]
+            );
+        }
     }
-    cache.trim(2).unwrap();
-    assert_eq!(cache.end(), 1);
-    for layer in 0..2 {
-        let (k, _) = random((1, 1, 6, 8), &mut seed);
-        cache.layer_mut(layer).append_window(&k, &k).unwrap();
-    }
-    let err = cache.trim(1).unwrap_err().to_string();
-    assert!(err.contains("wrapped"), "{err}");
-    assert_eq!(cache.end(), 7, "a refused trim changes nothing");
-    assert_eq!(cache.bytes_per_token(), 2 * (8 + 8) * 2);
-    assert_eq!(
-        cache.signatures(),
-        vec![
-            "kv:plain:bf16".to_string(),
-            "kv:window4:plain:bf16".to_string()
-        ]
-    );
 }
 
 #[test]
@@ -585,6 +745,43 @@ fn quantized_reads_match_reference_when_converting_late() {
                 // 21: a decode step converts; 30 and 45: a chunk does.
                 chunks: vec![20, 1, 1, 7, 17, 1, 3, 1],
                 seed: 70 + c as u64,
+            });
+        }
+    }
+}
+
+/// Turbo layers converting when a padded row's ring has wrapped but still holds some of its
+/// padding: the row's live positions sit in two runs of slots (the upper run longer in the
+/// first case, the lower in the second), and its key preparation is fitted on both, in
+/// temporal order ([`fitted_positions`]).
+#[test]
+fn turbo_prep_fitted_per_row_when_padding_splits_a_wrapped_ring() {
+    for prep in [
+        TurboPrep::ALL,
+        TurboPrep {
+            key_mean: false,
+            key_scale: true,
+        },
+    ] {
+        let codec = Codec::Turbo {
+            kbits: 4,
+            vbits: 4,
+            prep,
+        };
+        for (pads, start, chunks) in [
+            (vec![6, 0], 14, vec![14, 1, 1, 5, 1]),
+            (vec![10, 0], 20, vec![15, 5, 1, 3, 1]),
+        ] {
+            check_reads(&Case {
+                codec,
+                kvh: 2,
+                gqa: 2,
+                d: 64,
+                window: Some(12),
+                pads,
+                start,
+                chunks,
+                seed: 5,
             });
         }
     }
@@ -849,9 +1046,11 @@ fn key_scales_lower_score_error_on_uneven_channels() {
             key_mean: true,
             key_scale: scale,
         };
-        planes.fit_key_prep(k, prep).unwrap();
+        planes
+            .fit_key_prep(k, std::slice::from_ref(&(0..n)), prep)
+            .unwrap();
         let stored: Vec<f32> = planes
-            .as_stored(k, true)
+            .as_stored(0, k, true)
             .unwrap()
             .flatten_all()
             .unwrap()

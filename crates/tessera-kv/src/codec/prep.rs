@@ -63,7 +63,10 @@ impl ChannelPrep {
                         *p += (v - m) * (v - m);
                     }
                 }
-                let mut s: Vec<f32> = power.iter().map(|p| (p / count).sqrt().max(1e-6).sqrt()).collect();
+                let mut s: Vec<f32> = power
+                    .iter()
+                    .map(|p| (p / count).sqrt().max(1e-6).sqrt())
+                    .collect();
                 // Geometric mean 1 per block: the norm stored per vector carries the overall size.
                 let g = (s.iter().map(|s| s.ln()).sum::<f32>() / dim as f32).exp();
                 s.iter_mut().for_each(|s| *s /= g);

@@ -8,12 +8,15 @@
 //! State buffers: `[key codes (u32), key params (f16 scale, bias per group), value codes,
 //! value params]`, each `(rows, heads, capacity, …)`.
 
-use super::{check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes, PlanesState, RowSlots};
+use super::{
+    check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes,
+    PlanesState, RowSlots,
+};
 use crate::codec::affine::{dequantize_group, quantize_group, GroupParams};
+use crate::read::affine_tiles;
 use crate::read::chunk;
 use crate::read::decode::DecodeShape;
-use crate::read::affine_tiles;
-use crate::{MAX_CAPACITY, Codec, Isa, KvError};
+use crate::{Codec, Isa, KvError, MAX_CAPACITY};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use std::any::Any;
@@ -199,7 +202,6 @@ impl AffinePlanes {
         self.group
     }
 
-
     /// `(heads, head_dim, value_dim)`.
     pub fn geometry3(&self) -> (usize, usize, usize) {
         (self.heads, self.keys.dim, self.values.dim)
@@ -212,8 +214,6 @@ impl AffinePlanes {
             self.values.view(block, self.capacity),
         )
     }
-
-
 
     /// What a later read of `x` returns once stored: quantized and dequantized.
     pub fn as_stored(&self, x: &Tensor) -> Result<Tensor, KvError> {
@@ -269,7 +269,9 @@ impl Planes for AffinePlanes {
 
     fn empty(&self, rows: usize) -> Result<Box<dyn Planes>, KvError> {
         let (heads, dk, dv) = self.geometry3();
-        Ok(Box::new(AffinePlanes::new(self.bits, self.group, rows, heads, dk, dv)))
+        Ok(Box::new(AffinePlanes::new(
+            self.bits, self.group, rows, heads, dk, dv,
+        )))
     }
 
     fn reserve(&mut self, slots: usize, limit: usize) -> Result<(), KvError> {
@@ -284,7 +286,13 @@ impl Planes for AffinePlanes {
         Ok(())
     }
 
-    fn write(&mut self, rows: Range<usize>, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+    fn write(
+        &mut self,
+        rows: Range<usize>,
+        slot: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), KvError> {
         let n = k.dims4()?.2;
         self.check_rows(&rows, slot, n)?;
         let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
@@ -294,14 +302,33 @@ impl Planes for AffinePlanes {
             let block = first + local;
             for i in 0..n {
                 let at = local * n + i;
-                self.keys.write(block, self.capacity, slot + i, &kx[at * dk..(at + 1) * dk], self.bits, self.group);
-                self.values.write(block, self.capacity, slot + i, &vx[at * dv..(at + 1) * dv], self.bits, self.group);
+                self.keys.write(
+                    block,
+                    self.capacity,
+                    slot + i,
+                    &kx[at * dk..(at + 1) * dk],
+                    self.bits,
+                    self.group,
+                );
+                self.values.write(
+                    block,
+                    self.capacity,
+                    slot + i,
+                    &vx[at * dv..(at + 1) * dv],
+                    self.bits,
+                    self.group,
+                );
             }
         }
         Ok(())
     }
 
-    fn read(&self, rows: Range<usize>, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
+    fn read(
+        &self,
+        rows: Range<usize>,
+        slot: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor), KvError> {
         self.check_rows(&rows, slot, len)?;
         let first = rows.start * self.heads;
         let blocks = rows.len() * self.heads;
@@ -310,10 +337,21 @@ impl Planes for AffinePlanes {
             for local in 0..blocks {
                 for i in 0..len {
                     let at = local * len + i;
-                    p.read(first + local, self.capacity, slot + i, &mut out[at * p.dim..(at + 1) * p.dim], self.bits, self.group);
+                    p.read(
+                        first + local,
+                        self.capacity,
+                        slot + i,
+                        &mut out[at * p.dim..(at + 1) * p.dim],
+                        self.bits,
+                        self.group,
+                    );
                 }
             }
-            Ok(Tensor::from_vec(out, (rows.len(), self.heads, len, p.dim), &Device::Cpu)?)
+            Ok(Tensor::from_vec(
+                out,
+                (rows.len(), self.heads, len, p.dim),
+                &Device::Cpu,
+            )?)
         };
         Ok((plane(&self.keys)?, plane(&self.values)?))
     }
@@ -335,20 +373,46 @@ impl Planes for AffinePlanes {
             for head in 0..self.heads {
                 let d0 = (dst_row * self.heads + head) * self.capacity + dst_slot;
                 let s0 = (src_row * self.heads + head) * src.capacity + src_slot;
-                dst.codes[d0 * w..(d0 + len) * w].copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
-                dst.params[d0 * p..(d0 + len) * p].copy_from_slice(&from.params[s0 * p..(s0 + len) * p]);
+                dst.codes[d0 * w..(d0 + len) * w]
+                    .copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
+                dst.params[d0 * p..(d0 + len) * p]
+                    .copy_from_slice(&from.params[s0 * p..(s0 + len) * p]);
             }
         }
         Ok(())
     }
 
-    fn decode(&self, q: &Tensor, rows: &[RowSlots], scale: f32, isa: Isa) -> Result<Option<Tensor>, KvError> {
+    fn decode(
+        &self,
+        q: &Tensor,
+        rows: &[RowSlots],
+        scale: f32,
+        isa: Isa,
+    ) -> Result<Option<Tensor>, KvError> {
         let shape = DecodeShape::of(q, self.geometry(), self.capacity)?;
-        Ok(Some(affine_tiles::attend(&q.contiguous()?, self, rows, &shape, scale, isa)?))
+        Ok(Some(affine_tiles::attend(
+            &q.contiguous()?,
+            self,
+            rows,
+            &shape,
+            scale,
+            isa,
+        )?))
     }
 
-    fn chunk(&self, q: &Tensor, geometry: &ChunkGeometry, scale: f32, _isa: Isa) -> Result<Option<Tensor>, KvError> {
-        Ok(Some(chunk::attend(&q.contiguous()?, self, geometry, scale)?))
+    fn chunk(
+        &self,
+        q: &Tensor,
+        geometry: &ChunkGeometry,
+        scale: f32,
+        _isa: Isa,
+    ) -> Result<Option<Tensor>, KvError> {
+        Ok(Some(chunk::attend(
+            &q.contiguous()?,
+            self,
+            geometry,
+            scale,
+        )?))
     }
 
     fn allocated_bytes(&self) -> usize {

@@ -6,7 +6,7 @@
 //! planes, and retention, rows, the bf16-first transition and the named reads stay the
 //! cache's own.
 
-use super::{AffinePlanes, PlaneGeometry, Planes, PlainPlanes, TurboPlanes};
+use super::{AffinePlanes, PlainPlanes, PlaneGeometry, Planes, TurboPlanes};
 use crate::{Codec, KvError};
 use candle_core::Device;
 use std::sync::OnceLock;
@@ -68,9 +68,9 @@ pub fn host_planes(codec: Codec, geometry: PlaneGeometry) -> Box<dyn Planes> {
             head_dim,
             value_dim,
         )),
-        Codec::Turbo { kbits, vbits, prep } => {
-            Box::new(TurboPlanes::new(kbits, vbits, rows, heads, head_dim, value_dim).with_prep(prep))
-        }
+        Codec::Turbo { kbits, vbits, prep } => Box::new(
+            TurboPlanes::new(kbits, vbits, rows, heads, head_dim, value_dim).with_prep(prep),
+        ),
     }
 }
 

@@ -135,8 +135,12 @@ pub trait Planes: std::fmt::Debug + Send + Sync + Any {
         v: &Tensor,
     ) -> Result<(), KvError>;
     /// Slots `slot .. slot + len` of rows `rows`, decoded to f32 `(rows.len(), heads, len, dim)`.
-    fn read(&self, rows: Range<usize>, slot: usize, len: usize)
-        -> Result<(Tensor, Tensor), KvError>;
+    fn read(
+        &self,
+        rows: Range<usize>,
+        slot: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor), KvError>;
     /// Takes over row `src_row`'s per-row codec state (a turbo key preparation) from `src`
     /// (same codec) into row `dst_row`. Codecs without one have nothing to do.
     fn adopt_row(
@@ -233,8 +237,15 @@ pub(crate) fn same_kind<'a, T: Planes>(
 }
 
 /// Checks a state against the planes it is restored into.
-pub(crate) fn check_state(planes: &dyn Planes, state: &PlanesState, buffers: usize) -> Result<(), KvError> {
-    if state.codec != planes.codec() || state.geometry != planes.geometry() || state.buffers.len() != buffers {
+pub(crate) fn check_state(
+    planes: &dyn Planes,
+    state: &PlanesState,
+    buffers: usize,
+) -> Result<(), KvError> {
+    if state.codec != planes.codec()
+        || state.geometry != planes.geometry()
+        || state.buffers.len() != buffers
+    {
         return Err(KvError::BadState(format!(
             "planes of {} {:?} given a state of {} {:?} with {} buffers",
             planes.codec(),

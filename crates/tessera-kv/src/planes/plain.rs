@@ -3,9 +3,12 @@
 //!
 //! State buffers: `[keys, values]`, each the raw elements `(rows, heads, capacity, dim)`.
 
-use super::{check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes, PlanesState, RowSlots};
+use super::{
+    check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes,
+    PlanesState, RowSlots,
+};
 use crate::read::decode::{self, DecodeShape, Element};
-use crate::{MAX_CAPACITY, Codec, Isa, KvError, PlainDType};
+use crate::{Codec, Isa, KvError, PlainDType, MAX_CAPACITY};
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use std::any::Any;
@@ -38,7 +41,13 @@ impl Data {
 
     /// Re-lays `blocks` blocks of `old` slots out as `new` slots of `dim` each.
     fn grow(&mut self, blocks: usize, dim: usize, old: usize, new: usize) {
-        fn grow<E: Copy + Default>(x: &mut Vec<E>, blocks: usize, dim: usize, old: usize, new: usize) {
+        fn grow<E: Copy + Default>(
+            x: &mut Vec<E>,
+            blocks: usize,
+            dim: usize,
+            old: usize,
+            new: usize,
+        ) {
             let mut out = vec![E::default(); blocks * new * dim];
             for b in 0..blocks {
                 out[b * new * dim..][..old * dim].copy_from_slice(&x[b * old * dim..][..old * dim]);
@@ -63,7 +72,12 @@ impl Data {
     }
 
     /// Stores `x` rounded to the storage dtype: its `i`-th run of `chunk` elements at `at(i)`.
-    fn store(&mut self, x: &Tensor, chunk: usize, at: impl Fn(usize) -> usize) -> Result<(), KvError> {
+    fn store(
+        &mut self,
+        x: &Tensor,
+        chunk: usize,
+        at: impl Fn(usize) -> usize,
+    ) -> Result<(), KvError> {
         fn put<E: Copy>(d: &mut [E], v: &[E], chunk: usize, at: impl Fn(usize) -> usize) {
             for (i, run) in v.chunks_exact(chunk).enumerate() {
                 d[at(i)..at(i) + chunk].copy_from_slice(run);
@@ -171,7 +185,10 @@ impl Planes for PlainPlanes {
     fn empty(&self, rows: usize) -> Result<Box<dyn Planes>, KvError> {
         Ok(Box::new(PlainPlanes::new(
             self.dtype,
-            PlaneGeometry { rows, ..self.geometry },
+            PlaneGeometry {
+                rows,
+                ..self.geometry
+            },
         )))
     }
 
@@ -182,12 +199,19 @@ impl Planes for PlainPlanes {
         let capacity = crate::grown_capacity(slots, limit);
         let (blocks, g) = (self.blocks(), self.geometry);
         self.keys.grow(blocks, g.head_dim, self.capacity, capacity);
-        self.values.grow(blocks, g.value_dim, self.capacity, capacity);
+        self.values
+            .grow(blocks, g.value_dim, self.capacity, capacity);
         self.capacity = capacity;
         Ok(())
     }
 
-    fn write(&mut self, rows: Range<usize>, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+    fn write(
+        &mut self,
+        rows: Range<usize>,
+        slot: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), KvError> {
         let n = k.dims4()?.2;
         self.check_rows(&rows, slot, n)?;
         let (h, cap) = (self.geometry.heads, self.capacity);
@@ -197,23 +221,37 @@ impl Planes for PlainPlanes {
         ] {
             // Run i of x is (row rows.start + i / h, head i % h): n slots of dim.
             let row0 = rows.start;
-            plane.store(x, n * dim, |i| (((row0 + i / h) * h + i % h) * cap + slot) * dim)?;
+            plane.store(x, n * dim, |i| {
+                (((row0 + i / h) * h + i % h) * cap + slot) * dim
+            })?;
         }
         Ok(())
     }
 
-    fn read(&self, rows: Range<usize>, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
+    fn read(
+        &self,
+        rows: Range<usize>,
+        slot: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor), KvError> {
         self.check_rows(&rows, slot, len)?;
         let (h, cap) = (self.geometry.heads, self.capacity);
         let mut out = Vec::with_capacity(2);
-        for (plane, dim) in [(&self.keys, self.geometry.head_dim), (&self.values, self.geometry.value_dim)] {
+        for (plane, dim) in [
+            (&self.keys, self.geometry.head_dim),
+            (&self.values, self.geometry.value_dim),
+        ] {
             let mut x = Vec::with_capacity(rows.len() * h * len * dim);
             for row in rows.clone() {
                 for head in 0..h {
                     plane.widen(((row * h + head) * cap + slot) * dim, len * dim, &mut x);
                 }
             }
-            out.push(Tensor::from_vec(x, (rows.len(), h, len, dim), &Device::Cpu)?);
+            out.push(Tensor::from_vec(
+                x,
+                (rows.len(), h, len, dim),
+                &Device::Cpu,
+            )?);
         }
         let v = out.pop().expect("two planes");
         Ok((out.pop().expect("two planes"), v))
@@ -248,20 +286,38 @@ impl Planes for PlainPlanes {
         Ok(())
     }
 
-    fn decode(&self, q: &Tensor, rows: &[RowSlots], scale: f32, isa: Isa) -> Result<Option<Tensor>, KvError> {
+    fn decode(
+        &self,
+        q: &Tensor,
+        rows: &[RowSlots],
+        scale: f32,
+        isa: Isa,
+    ) -> Result<Option<Tensor>, KvError> {
         let g = self.geometry;
         let shape = DecodeShape::of(q, g, self.capacity)?;
         let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
         let out = match (&self.keys, &self.values) {
-            (Data::Bf16(k), Data::Bf16(v)) => decode::attend_plain(&qv, k, v, rows, &shape, scale, isa),
-            (Data::F16(k), Data::F16(v)) => decode::attend_plain(&qv, k, v, rows, &shape, scale, isa),
-            (Data::F32(k), Data::F32(v)) => decode::attend_plain(&qv, k, v, rows, &shape, scale, isa),
+            (Data::Bf16(k), Data::Bf16(v)) => {
+                decode::attend_plain(&qv, k, v, rows, &shape, scale, isa)
+            }
+            (Data::F16(k), Data::F16(v)) => {
+                decode::attend_plain(&qv, k, v, rows, &shape, scale, isa)
+            }
+            (Data::F32(k), Data::F32(v)) => {
+                decode::attend_plain(&qv, k, v, rows, &shape, scale, isa)
+            }
             _ => unreachable!("both planes have the storage dtype"),
         };
         Ok(Some(shape.output(out, q.device())?))
     }
 
-    fn chunk(&self, _q: &Tensor, _g: &ChunkGeometry, _scale: f32, _isa: Isa) -> Result<Option<Tensor>, KvError> {
+    fn chunk(
+        &self,
+        _q: &Tensor,
+        _g: &ChunkGeometry,
+        _scale: f32,
+        _isa: Isa,
+    ) -> Result<Option<Tensor>, KvError> {
         // Plain chunks are read densely: candle's matmuls beat a tiled read here.
         Ok(None)
     }

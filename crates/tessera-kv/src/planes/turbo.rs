@@ -4,13 +4,16 @@
 //! bit widths, rotations (fixed seeds) and codebooks. Inputs are rounded to bf16 first, so
 //! quantizing on append and converting bf16 storage later store the same codes.
 
-use super::{check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes, PlanesState, RowSlots};
+use super::{
+    check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes,
+    PlanesState, RowSlots,
+};
 use crate::codec::affine::{get_code, put_code};
 use crate::codec::prep::ChannelPrep;
 use crate::codec::turbo::{Codebook, Rotation};
 use crate::read::decode::DecodeShape;
 use crate::read::{chunk, turbo_tiles};
-use crate::{MAX_CAPACITY, Codec, Isa, KvError, TurboPrep};
+use crate::{Codec, Isa, KvError, TurboPrep, MAX_CAPACITY};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use std::any::Any;
@@ -178,7 +181,12 @@ impl TurboPlanes {
     /// These (empty) planes with the key preparation `prep` asks for, as the identity until
     /// a row's is fitted or adopted.
     pub fn with_prep(mut self, prep: TurboPrep) -> Self {
-        self.key_prep = ChannelPrep::identity(self.rows * self.heads, self.keys.dim, prep.key_mean, prep.key_scale);
+        self.key_prep = ChannelPrep::identity(
+            self.rows * self.heads,
+            self.keys.dim,
+            prep.key_mean,
+            prep.key_scale,
+        );
         self
     }
 
@@ -266,7 +274,12 @@ impl TurboPlanes {
     /// The key preparation tables an adoption writes into: sized for every row.
     fn prep_tables(&mut self, prep: TurboPrep) {
         if self.key_prep == ChannelPrep::default() {
-            self.key_prep = ChannelPrep::identity(self.rows * self.heads, self.keys.dim, prep.key_mean, prep.key_scale);
+            self.key_prep = ChannelPrep::identity(
+                self.rows * self.heads,
+                self.keys.dim,
+                prep.key_mean,
+                prep.key_scale,
+            );
         }
     }
 }
@@ -304,7 +317,12 @@ impl Planes for TurboPlanes {
             rows,
             heads: self.heads,
             capacity: 0,
-            key_prep: ChannelPrep::identity(rows * self.heads, self.keys.dim, prep.key_mean, prep.key_scale),
+            key_prep: ChannelPrep::identity(
+                rows * self.heads,
+                self.keys.dim,
+                prep.key_mean,
+                prep.key_scale,
+            ),
             keys: empty(&self.keys),
             values: empty(&self.values),
         }))
@@ -322,7 +340,13 @@ impl Planes for TurboPlanes {
         Ok(())
     }
 
-    fn write(&mut self, rows: Range<usize>, slot: usize, k: &Tensor, v: &Tensor) -> Result<(), KvError> {
+    fn write(
+        &mut self,
+        rows: Range<usize>,
+        slot: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), KvError> {
         let n = k.dims4()?.2;
         self.check_rows(&rows, slot, n)?;
         let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
@@ -341,7 +365,12 @@ impl Planes for TurboPlanes {
         Ok(())
     }
 
-    fn read(&self, rows: Range<usize>, slot: usize, len: usize) -> Result<(Tensor, Tensor), KvError> {
+    fn read(
+        &self,
+        rows: Range<usize>,
+        slot: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor), KvError> {
         self.check_rows(&rows, slot, len)?;
         let first = rows.start * self.heads;
         let blocks = rows.len() * self.heads;
@@ -358,18 +387,34 @@ impl Planes for TurboPlanes {
                     }
                 }
             }
-            Ok(Tensor::from_vec(out, (rows.len(), self.heads, len, p.dim), &Device::Cpu)?)
+            Ok(Tensor::from_vec(
+                out,
+                (rows.len(), self.heads, len, p.dim),
+                &Device::Cpu,
+            )?)
         };
-        Ok((plane(&self.keys, Some(&self.key_prep))?, plane(&self.values, None)?))
+        Ok((
+            plane(&self.keys, Some(&self.key_prep))?,
+            plane(&self.values, None)?,
+        ))
     }
 
-    fn adopt_row(&mut self, src: &dyn Planes, src_row: usize, dst_row: usize) -> Result<(), KvError> {
+    fn adopt_row(
+        &mut self,
+        src: &dyn Planes,
+        src_row: usize,
+        dst_row: usize,
+    ) -> Result<(), KvError> {
         let src = same_kind::<TurboPlanes>(src, self)?;
         if src_row >= src.rows || dst_row >= self.rows {
-            return Err(KvError::Rows(format!("adopt row {src_row} of {} into row {dst_row} of {}", src.rows, self.rows)));
+            return Err(KvError::Rows(format!(
+                "adopt row {src_row} of {} into row {dst_row} of {}",
+                src.rows, self.rows
+            )));
         }
         self.prep_tables(src.prep());
-        self.key_prep.adopt(&src.key_prep, src_row, dst_row, self.heads);
+        self.key_prep
+            .adopt(&src.key_prep, src_row, dst_row, self.heads);
         Ok(())
     }
 
@@ -390,27 +435,65 @@ impl Planes for TurboPlanes {
             for head in 0..self.heads {
                 let d0 = (dst_row * self.heads + head) * self.capacity + dst_slot;
                 let s0 = (src_row * self.heads + head) * src.capacity + src_slot;
-                dst.codes[d0 * w..(d0 + len) * w].copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
+                dst.codes[d0 * w..(d0 + len) * w]
+                    .copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
                 dst.norms[d0..d0 + len].copy_from_slice(&from.norms[s0..s0 + len]);
             }
         }
         Ok(())
     }
 
-    fn fit_key_prep(&mut self, k: &Tensor, live: &[Range<usize>], prep: TurboPrep) -> Result<(), KvError> {
+    fn fit_key_prep(
+        &mut self,
+        k: &Tensor,
+        live: &[Range<usize>],
+        prep: TurboPrep,
+    ) -> Result<(), KvError> {
         let n = k.dims4()?.2;
         let x = bf16_values(k)?;
-        self.key_prep = ChannelPrep::fit(&x, self.heads, n, self.keys.dim, live, prep.key_mean, prep.key_scale);
+        self.key_prep = ChannelPrep::fit(
+            &x,
+            self.heads,
+            n,
+            self.keys.dim,
+            live,
+            prep.key_mean,
+            prep.key_scale,
+        );
         Ok(())
     }
 
-    fn decode(&self, q: &Tensor, rows: &[RowSlots], scale: f32, isa: Isa) -> Result<Option<Tensor>, KvError> {
+    fn decode(
+        &self,
+        q: &Tensor,
+        rows: &[RowSlots],
+        scale: f32,
+        isa: Isa,
+    ) -> Result<Option<Tensor>, KvError> {
         let shape = DecodeShape::of(q, self.geometry(), self.capacity)?;
-        Ok(Some(turbo_tiles::attend(&q.contiguous()?, self, rows, &shape, scale, isa)?))
+        Ok(Some(turbo_tiles::attend(
+            &q.contiguous()?,
+            self,
+            rows,
+            &shape,
+            scale,
+            isa,
+        )?))
     }
 
-    fn chunk(&self, q: &Tensor, geometry: &ChunkGeometry, scale: f32, isa: Isa) -> Result<Option<Tensor>, KvError> {
-        Ok(Some(chunk::attend_source(&q.contiguous()?, &turbo_tiles::source(self, isa), geometry, scale)?))
+    fn chunk(
+        &self,
+        q: &Tensor,
+        geometry: &ChunkGeometry,
+        scale: f32,
+        isa: Isa,
+    ) -> Result<Option<Tensor>, KvError> {
+        Ok(Some(chunk::attend_source(
+            &q.contiguous()?,
+            &turbo_tiles::source(self, isa),
+            geometry,
+            scale,
+        )?))
     }
 
     fn allocated_bytes(&self) -> usize {
@@ -461,12 +544,21 @@ impl Planes for TurboPlanes {
             }
         }
         let prep = self.prep();
-        let mut key_prep = ChannelPrep::identity(self.rows * self.heads, self.keys.dim, prep.key_mean, prep.key_scale);
+        let mut key_prep = ChannelPrep::identity(
+            self.rows * self.heads,
+            self.keys.dim,
+            prep.key_mean,
+            prep.key_scale,
+        );
         key_prep
-            .load(from_bytes(&state.buffers[4], "turbo key mean")?, from_bytes(&state.buffers[5], "turbo key scales")?)
+            .load(
+                from_bytes(&state.buffers[4], "turbo key mean")?,
+                from_bytes(&state.buffers[5], "turbo key scales")?,
+            )
             .map_err(KvError::BadState)?;
         let [keys, values] = planes;
-        (self.keys, self.values, self.capacity, self.key_prep) = (keys, values, state.capacity, key_prep);
+        (self.keys, self.values, self.capacity, self.key_prep) =
+            (keys, values, state.capacity, key_prep);
         Ok(())
     }
 

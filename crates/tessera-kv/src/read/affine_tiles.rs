@@ -279,7 +279,10 @@ pub(crate) fn attend(
 ) -> Result<Tensor, KvError> {
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
     let source = AffineSource::new(planes, isa);
-    s.output(decode::attend_source(&qv, &source, rows, s, scale, isa), q.device())
+    s.output(
+        decode::attend_source(&qv, &source, rows, s, scale, isa),
+        q.device(),
+    )
 }
 
 #[cfg(test)]
@@ -354,7 +357,9 @@ pub(crate) mod tests {
                             let x = values(seed, heads * slots * dim);
                             Tensor::from_vec(x, (1, heads, slots, dim), &Device::Cpu).unwrap()
                         };
-                        planes.write(0..1, 0, &tensor(10, d), &tensor(11, dv)).unwrap();
+                        planes
+                            .write(0..1, 0, &tensor(10, d), &tensor(11, dv))
+                            .unwrap();
                         let source = AffineSource::new(&planes, isa);
                         // Orders come with the 512-bit unpacker, and only with it.
                         let orders = source.orders.as_ref();

@@ -6,8 +6,8 @@
 //! KV head (GQA folded) is scored per key load, and values are accumulated with the
 //! accumulators held in registers across positions.
 
-pub(crate) use crate::planes::RowSlots;
 use crate::planes::PlaneGeometry;
+pub(crate) use crate::planes::RowSlots;
 use crate::{Isa, KvError};
 use candle_core::{Device, Tensor};
 use std::ops::Range;

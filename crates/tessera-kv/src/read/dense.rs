@@ -144,7 +144,11 @@ pub(crate) fn chunk_mask(g: &ChunkGeometry, device: &Device) -> Result<Option<Te
 }
 
 /// The mask of a decode read over slots `0 .. capacity`: each row sees its listed slots.
-pub(crate) fn slots_mask(rows: &[RowSlots], capacity: usize, device: &Device) -> Result<Tensor, KvError> {
+pub(crate) fn slots_mask(
+    rows: &[RowSlots],
+    capacity: usize,
+    device: &Device,
+) -> Result<Tensor, KvError> {
     mask_of(
         rows.len(),
         1,

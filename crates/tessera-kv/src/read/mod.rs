@@ -117,7 +117,12 @@ impl<'a> AttentionRead<'a> {
                 let (keys, values) = p.read(0..geometry.rows.len(), 0, geometry.slots)?;
                 let mask = chunk_mask(geometry, keys.device())?;
                 let ends = (0..geometry.queries)
-                    .map(|i| (0..geometry.rows.len()).map(|r| geometry.visible(r, i).end).max().unwrap_or(0))
+                    .map(|i| {
+                        (0..geometry.rows.len())
+                            .map(|r| geometry.visible(r, i).end)
+                            .max()
+                            .unwrap_or(0)
+                    })
                     .collect();
                 Ok(AttentionRead::of(Source::Dense {
                     keys,

@@ -4,9 +4,9 @@
 //! read so that `(R q) · (R k) = q · k`, and the softmax-weighted values are accumulated in
 //! the rotated space and inverse-rotated once per output head (the deferred-V read).
 
+use crate::planes::turbo::{TurboPlane, TurboPlanes};
 use crate::planes::Planes;
 use crate::read::decode::{self, DecodeShape, RowSlots, TileSource};
-use crate::planes::turbo::{TurboPlane, TurboPlanes};
 use crate::{Isa, KvError};
 use candle_core::Tensor;
 use std::ops::Range;
@@ -208,8 +208,9 @@ pub(crate) fn source(planes: &TurboPlanes, isa: Isa) -> TurboSource<'_> {
         let isa = isa.capped();
         let wide = [x86::available(keys, isa), x86::available(values, isa)];
         let order = |plane: &TurboPlane, wide| {
-            (wide == Some(x86::Wide::LaneMajor))
-                .then(|| crate::read::affine_tiles::x86::lane_major_order(plane.dim(), plane.bits()))
+            (wide == Some(x86::Wide::LaneMajor)).then(|| {
+                crate::read::affine_tiles::x86::lane_major_order(plane.dim(), plane.bits())
+            })
         };
         TurboSource {
             planes,
@@ -239,7 +240,10 @@ pub(crate) fn attend(
 ) -> Result<Tensor, KvError> {
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
     let source = source(planes, isa);
-    s.output(decode::attend_source(&qv, &source, rows, s, scale, isa), q.device())
+    s.output(
+        decode::attend_source(&qv, &source, rows, s, scale, isa),
+        q.device(),
+    )
 }
 
 #[cfg(test)]
@@ -268,7 +272,9 @@ mod tests {
                         let x = values(seed, heads * slots * dim);
                         Tensor::from_vec(x, (1, heads, slots, dim), &Device::Cpu).unwrap()
                     };
-                    planes.write(0..1, 0, &tensor(12, d), &tensor(13, dv)).unwrap();
+                    planes
+                        .write(0..1, 0, &tensor(12, d), &tensor(13, dv))
+                        .unwrap();
                     let tiles = source(&planes, isa);
                     #[cfg(target_arch = "x86_64")]
                     kinds.extend(tiles.wide.into_iter().flatten().map(|w| w as u8));
