@@ -358,6 +358,8 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() {
+    // KV row operations allocate planes of many MiB: keep freed ones for reuse.
+    tessera_kv::keep_freed_memory();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         let msg = format!("{e:#}");

@@ -350,6 +350,11 @@ fn profile(bytes: usize, runs: usize, decode: f64) {
 }
 
 fn main() {
+    // What the tessera binaries do at start (see `keep_freed_memory`); `ROWS_MALLOC=default`
+    // measures glibc's defaults instead.
+    if std::env::var("ROWS_MALLOC").as_deref() != Ok("default") {
+        println!("keep_freed_memory: {}", tessera_kv::keep_freed_memory());
+    }
     let mut depths: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())

@@ -54,3 +54,24 @@ pub fn grown_capacity(slots: usize, limit: usize) -> usize {
         .min(limit)
         .max(slots)
 }
+
+/// Asks the C allocator to keep freed memory for reuse (glibc only; elsewhere a no-op), for
+/// a binary to call once at start. Row operations build planes of many MiB; glibc hands
+/// blocks that large back to the kernel when they are freed, so each merge or filter would
+/// fault every 4 KiB page of its new planes in again — measured at more than the copy itself
+/// (BENCHMARKS.md, "Cache rows"). Returns whether the allocator took the settings.
+pub fn keep_freed_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallopt only changes allocator parameters; it is called before the
+        // blocks it affects exist, and its arguments are within glibc's documented ranges.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20) == 1
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
