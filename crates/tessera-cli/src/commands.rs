@@ -344,7 +344,8 @@ pub fn chat(
         let keep = if session.truncate(keep).is_ok() {
             keep
         } else {
-            // A wrapped sliding-window ring cannot drop positions: start the cache over.
+            // A sliding-window ring that has overwritten positions its window needs again cannot
+            // drop them: start the cache over.
             session = Session::new(&model, &scheme, prefill_chunk)?;
             0
         };

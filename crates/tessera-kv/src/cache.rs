@@ -189,6 +189,13 @@ impl KvCache {
         Ok(())
     }
 
+    /// Checks, before a forward touches any layer, that every layer takes an append of `n`
+    /// positions per row (inside a round, none may overwrite ring slots a rollback needs),
+    /// so a refused step leaves every layer as it was.
+    pub fn check_append(&self, n: usize) -> Result<(), KvError> {
+        self.layers.iter().try_for_each(|l| l.guard_round(n))
+    }
+
     /// Positions an append may add before some layer's bf16-first transition (exactly
     /// there a prefill chunk should end); `None` where no transition lies ahead.
     pub fn max_append_tokens(&self) -> Option<usize> {

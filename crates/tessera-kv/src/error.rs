@@ -27,14 +27,6 @@ pub enum KvError {
         group: usize,
     },
 
-    #[error("layer {layer}: cannot trim {requested} positions from a sliding-window ring of {window} that has wrapped ({held} positions appended); the evicted positions are gone")]
-    TrimWrappedRing {
-        layer: usize,
-        requested: usize,
-        window: usize,
-        held: usize,
-    },
-
     #[error("layer {layer}: cannot trim {requested} positions, only {held} are held")]
     TrimTooFar {
         layer: usize,

@@ -73,6 +73,47 @@ impl Visibility<'_> {
     }
 }
 
+/// Checks that `codec` is one the planes implement and fits `spec`'s head dimensions (a
+/// scheme's parser checks the first; a restored state is checked here).
+pub(crate) fn check_codec(layer: usize, spec: &LayerSpec, codec: Codec) -> Result<(), KvError> {
+    match codec {
+        Codec::Plain(_) => {}
+        Codec::Affine { bits, group } => {
+            if !crate::codec::affine::AFFINE_BITS.contains(&bits)
+                || !crate::codec::affine::AFFINE_GROUPS.contains(&group)
+            {
+                return Err(KvError::UnsupportedAffine {
+                    bits: bits as u32,
+                    group: group as u32,
+                });
+            }
+            for dim in [spec.head_dim, spec.value_dim] {
+                if dim % group as usize != 0 {
+                    return Err(KvError::GroupDoesNotDivide {
+                        layer,
+                        dim,
+                        group: group as usize,
+                    });
+                }
+            }
+        }
+        Codec::Turbo { kbits, vbits, .. } => {
+            if !(2..=8).contains(&kbits) || !(2..=8).contains(&vbits) {
+                return Err(KvError::UnsupportedTurbo {
+                    kbits: kbits as u32,
+                    vbits: vbits as u32,
+                });
+            }
+            for dim in [spec.head_dim, spec.value_dim] {
+                if !dim.is_power_of_two() {
+                    return Err(KvError::TurboDim { layer, dim });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The cache of one attention layer.
 #[derive(Debug)]
 pub struct LayerCache {
@@ -104,24 +145,7 @@ impl LayerCache {
         quantized_kv_start: usize,
         left_pad: Vec<usize>,
     ) -> Result<Self, KvError> {
-        if let Codec::Turbo { .. } = codec {
-            for dim in [spec.head_dim, spec.value_dim] {
-                if !dim.is_power_of_two() {
-                    return Err(KvError::TurboDim { layer, dim });
-                }
-            }
-        }
-        if let Codec::Affine { group, .. } = codec {
-            for dim in [spec.head_dim, spec.value_dim] {
-                if dim % group as usize != 0 {
-                    return Err(KvError::GroupDoesNotDivide {
-                        layer,
-                        dim,
-                        group: group as usize,
-                    });
-                }
-            }
-        }
+        check_codec(layer, &spec, codec)?;
         let geometry = PlaneGeometry {
             rows: left_pad.len(),
             heads: spec.kv_heads,
@@ -271,12 +295,7 @@ impl LayerCache {
     /// A ring's read of a chunk: its own planes holding, per row, the positions the chunk's
     /// first query still sees (`firsts[r] ..` the row's end, copied as stored) and then the
     /// chunk's own positions — built before the chunk's writes overwrite ring slots.
-    fn ring_span(
-        &self,
-        k: &Tensor,
-        v: &Tensor,
-        ends: &[usize],
-    ) -> Result<RingSpan, KvError> {
+    fn ring_span(&self, k: &Tensor, v: &Tensor, ends: &[usize]) -> Result<RingSpan, KvError> {
         let n = k.dims()[2];
         let rows = self.rows.batch();
         let pads = self.rows.left_pad();
@@ -311,7 +330,7 @@ impl LayerCache {
 
     /// Refuses an append inside a round that would overwrite ring slots a rollback to the
     /// round's start still needs.
-    fn guard_round(&self, n: usize) -> Result<(), KvError> {
+    pub(crate) fn guard_round(&self, n: usize) -> Result<(), KvError> {
         let (Some(before), Some(window)) = (self.rows.round(), self.slots.window) else {
             return Ok(());
         };
@@ -498,10 +517,10 @@ impl AttentionCache for LayerCache {
         let n = k.dims()[2];
         let donor = self.capture_donor_rows()?;
         let longest = donor.keys.iter().map(|k| k.dims()[2]).max().unwrap_or(0);
-        let dtype = match self.planes.codec() {
-            Codec::Plain(dtype) => dtype.dtype(),
-            _ => unreachable!("checked above"),
+        let Codec::Plain(dtype) = self.planes.codec() else {
+            unreachable!("quantized storage was refused above")
         };
+        let dtype = dtype.dtype();
         let as_stored = |x: &Tensor| -> Result<Tensor, KvError> {
             Ok(x.to_dtype(dtype)?.to_dtype(candle_core::DType::F32)?)
         };

@@ -73,7 +73,20 @@ impl LayerCache {
                 state.layer
             )));
         }
+        if matches!(state.spec.retention, crate::Retention::Window { size: 0 })
+            || state.spec.kv_heads == 0
+            || state.spec.head_dim == 0
+            || state.spec.value_dim == 0
+        {
+            return Err(KvError::BadState(format!(
+                "layer {}: a layer of {:?}",
+                state.layer, state.spec
+            )));
+        }
         let stage = state.planes.codec;
+        for codec in [Some(stage), state.target].into_iter().flatten() {
+            crate::layer::check_codec(state.layer, &state.spec, codec)?;
+        }
         let staged = match state.target {
             None => !stage.is_quantized(),
             Some(t) => {

@@ -506,3 +506,48 @@ fn hostile_row_fields_never_panic() {
         }
     }
 }
+
+/// Codecs the planes do not implement, and layer shapes no cache has, are typed errors when
+/// a state names them (a scheme's parser would have refused them; a file may not have come
+/// from one).
+#[test]
+fn unsupported_codecs_and_shapes_in_a_state_are_refused() {
+    let affine = Codec::Affine { bits: 4, group: 32 };
+    let good = valid(affine, Some(WINDOW));
+    for (bits, group) in [(7, 32), (4, 48), (1, 64)] {
+        let mut state = good.clone();
+        let bad = Codec::Affine { bits, group };
+        state.layers[0].planes.codec = bad;
+        state.layers[0].target = Some(bad);
+        match KvCache::from_state(&state, &Device::Cpu) {
+            Err(KvError::UnsupportedAffine { .. }) => {}
+            other => panic!("affine {bits}:{group} in a state: {other:?}"),
+        }
+    }
+    let turbo = valid(
+        Codec::Turbo {
+            kbits: 4,
+            vbits: 4,
+            prep: TurboPrep::ALL,
+        },
+        None,
+    );
+    let mut state = turbo.clone();
+    let bad = Codec::Turbo {
+        kbits: 9,
+        vbits: 4,
+        prep: TurboPrep::ALL,
+    };
+    state.layers[0].planes.codec = bad;
+    state.layers[0].target = Some(bad);
+    assert!(matches!(
+        KvCache::from_state(&state, &Device::Cpu),
+        Err(KvError::UnsupportedTurbo { .. })
+    ));
+    let mut state = good.clone();
+    state.layers[0].spec.retention = Retention::Window { size: 0 };
+    refused(&state, &["layer 0"], "a window of 0");
+    let mut state = good;
+    state.layers[0].spec.kv_heads = 0;
+    refused(&state, &["layer 0"], "no KV heads");
+}

@@ -839,6 +839,7 @@ impl Decoder {
                 rows: cache.batch(),
             }));
         }
+        cache.check_append(n)?;
         // Each row's positions are written at its own physical end; a position's RoPE
         // position is its physical position less the row's left padding (padding positions,
         // which no real query attends, all take 0).
