@@ -1,14 +1,437 @@
-//! Batch generation: several prompts of different lengths in one batch, left padded so
-//! their last prompt tokens line up, decoded together.
+//! The step-level engine: a [`Batch`] of requests decoded together, which requests join and
+//! leave between steps (continuous batching).
+//!
+//! `add` queues a validated [`GenerationRequest`]; each `step` reads one bounded chunk of
+//! the oldest admitted request's prompt into a cache of its own (so running streams keep
+//! flowing while a long prompt is read), and then decodes one token for every running row.
+//! A request whose prompt is read samples its first token, and its one-row cache is merged
+//! into the running batch (codes copied as stored, for every KV codec); a request that
+//! finishes, or is cancelled, is filtered out at the step that ends it. Rows keep their own
+//! ends, so nothing is padded or recomputed when rows come and go. Admission control: at
+//! most `max_batch` running rows, the KV bytes every admitted request may grow to within
+//! `kv_budget` (from the caches' own accounting, so a 4-bit scheme admits more rows), and at
+//! most `max_queue` waiting requests.
 
-use crate::sampler::argmax;
+use crate::generate::StopReason;
+use crate::sampler::{Sampler, SamplerConfig};
 use crate::EngineError;
 use candle_core::Tensor;
-use tessera_kv::{KvCache, KvScheme};
+use std::collections::VecDeque;
+use tessera_kv::{AttentionCache, KvCache, KvScheme, Retention};
 use tessera_models::{LogitsMode, Model};
 
+/// One generation, validated by [`Batch::add`].
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Tokens that end the generation (not emitted).
+    pub stop_tokens: Vec<u32>,
+}
+
+pub type RequestId = u64;
+
+/// What a step produced for a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Token {
+        id: RequestId,
+        token: u32,
+    },
+    Finished {
+        id: RequestId,
+        reason: StopReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+}
+
+/// Admission limits of a [`Batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct BatchLimits {
+    /// Most rows decoded together.
+    pub max_batch: usize,
+    /// Most KV bytes the admitted requests may grow to (prompt + `max_tokens` each, sliding
+    /// layers capped at their window); `None`: no budget.
+    pub kv_budget: Option<usize>,
+    /// Most requests waiting for admission; `add` refuses past it.
+    pub max_queue: usize,
+}
+
+impl Default for BatchLimits {
+    fn default() -> Self {
+        BatchLimits {
+            max_batch: 16,
+            kv_budget: None,
+            max_queue: 256,
+        }
+    }
+}
+
+/// A request decoding in the running batch: row `i` of the running cache.
+struct Row {
+    id: RequestId,
+    sampler: Sampler,
+    /// Prompt and generated tokens (the sampler's history).
+    history: Vec<u32>,
+    prompt_tokens: usize,
+    produced: usize,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+    /// The token fed at the next step.
+    next: u32,
+    kv_bytes: usize,
+}
+
+/// A request whose prompt is being read into a cache of its own.
+struct Prefill {
+    id: RequestId,
+    request: GenerationRequest,
+    cache: KvCache,
+    fed: usize,
+    kv_bytes: usize,
+}
+
+/// Requests decoded together; see the module docs.
+pub struct Batch<'m> {
+    model: &'m Model,
+    scheme: KvScheme,
+    prefill_chunk: usize,
+    limits: BatchLimits,
+    /// KV bytes one row costs per position, per layer, and the layers' windows.
+    layer_costs: Vec<(usize, Option<usize>)>,
+    running: Option<KvCache>,
+    rows: Vec<Row>,
+    prefill: Option<Prefill>,
+    waiting: VecDeque<(RequestId, GenerationRequest)>,
+    /// Running rows cancelled since the last step.
+    cancelled: Vec<RequestId>,
+    next_id: RequestId,
+}
+
+impl<'m> Batch<'m> {
+    pub fn new(
+        model: &'m Model,
+        scheme: &KvScheme,
+        prefill_chunk: usize,
+        limits: BatchLimits,
+    ) -> Result<Self, EngineError> {
+        if prefill_chunk == 0 {
+            return Err(EngineError::Invalid(
+                "--prefill-chunk must be at least 1".into(),
+            ));
+        }
+        if limits.max_batch == 0 {
+            return Err(EngineError::Invalid(
+                "--max-batch must be at least 1".into(),
+            ));
+        }
+        let probe = KvCache::new(&model.layer_specs(), scheme, vec![0])?;
+        let layer_costs = probe
+            .layers()
+            .iter()
+            .map(|l| {
+                let window = match l.spec().retention {
+                    Retention::Full => None,
+                    Retention::Window { size } => Some(size),
+                };
+                (l.bytes_per_token(), window)
+            })
+            .collect();
+        Ok(Batch {
+            model,
+            scheme: scheme.clone(),
+            prefill_chunk,
+            limits,
+            layer_costs,
+            running: None,
+            rows: Vec::new(),
+            prefill: None,
+            waiting: VecDeque::new(),
+            cancelled: Vec::new(),
+            next_id: 0,
+        })
+    }
+
+    /// KV bytes one row holding `positions` positions costs.
+    pub fn kv_bytes_for(&self, positions: usize) -> usize {
+        self.layer_costs
+            .iter()
+            .map(|&(bytes, window)| bytes * window.map_or(positions, |w| positions.min(w)))
+            .sum()
+    }
+
+    /// KV bytes the admitted requests may grow to.
+    pub fn kv_bytes_reserved(&self) -> usize {
+        self.rows.iter().map(|r| r.kv_bytes).sum::<usize>()
+            + self.prefill.as_ref().map_or(0, |p| p.kv_bytes)
+    }
+
+    /// KV bytes the caches hold now.
+    pub fn kv_bytes_allocated(&self) -> usize {
+        self.running.as_ref().map_or(0, |c| c.allocated_bytes())
+            + self
+                .prefill
+                .as_ref()
+                .map_or(0, |p| p.cache.allocated_bytes())
+    }
+
+    /// Requests decoding now.
+    pub fn running(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Requests queued or having their prompt read.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len() + self.prefill.is_some() as usize
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.rows.is_empty() && self.prefill.is_none() && self.waiting.is_empty()
+    }
+
+    /// Queues `request`. Refused, with nothing queued, when its prompt is empty, when
+    /// prompt + `max_tokens` exceed the model's context or could never fit the KV budget,
+    /// and when the queue is full.
+    pub fn add(&mut self, request: GenerationRequest) -> Result<RequestId, EngineError> {
+        if request.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let total = request.prompt.len().saturating_add(request.max_tokens);
+        if total > self.model.context_length() {
+            return Err(EngineError::PromptTooLong {
+                prompt: total,
+                context: self.model.context_length(),
+            });
+        }
+        let vocab = self.model.vocab_size();
+        if let Some(&id) = request.prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(EngineError::Invalid(format!(
+                "token id {id} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        let bytes = self.kv_bytes_for(total);
+        if let Some(budget) = self.limits.kv_budget {
+            if bytes > budget {
+                return Err(EngineError::Invalid(format!(
+                    "a request of {total} positions needs {bytes} KV bytes, more than the whole \
+                     budget of {budget}"
+                )));
+            }
+        }
+        if self.waiting.len() >= self.limits.max_queue {
+            return Err(EngineError::QueueFull {
+                limit: self.limits.max_queue,
+            });
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back((id, request));
+        Ok(id)
+    }
+
+    /// Cancels request `id` wherever it is; its row and KV are freed at the next step.
+    /// Returns whether the request was still live.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(at) = self.waiting.iter().position(|(w, _)| *w == id) {
+            self.waiting.remove(at);
+            return true;
+        }
+        if self.prefill.as_ref().is_some_and(|p| p.id == id) {
+            self.prefill = None;
+            return true;
+        }
+        if self.rows.iter().any(|r| r.id == id) && !self.cancelled.contains(&id) {
+            self.cancelled.push(id);
+            return true;
+        }
+        false
+    }
+
+    /// One step: a chunk of the oldest admitted prompt, then one token for every running row.
+    pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
+        let mut events = Vec::new();
+        self.drop_cancelled()?;
+        self.admit()?;
+        self.prefill_chunk(&mut events)?;
+        self.decode(&mut events)?;
+        Ok(events)
+    }
+
+    /// Starts reading the next waiting prompt when a row and the budget allow.
+    fn admit(&mut self) -> Result<(), EngineError> {
+        if self.prefill.is_some() || self.rows.len() >= self.limits.max_batch {
+            return Ok(());
+        }
+        let Some((_, request)) = self.waiting.front() else {
+            return Ok(());
+        };
+        let bytes = self.kv_bytes_for(request.prompt.len() + request.max_tokens);
+        if let Some(budget) = self.limits.kv_budget {
+            if self.kv_bytes_reserved() + bytes > budget {
+                return Ok(());
+            }
+        }
+        let Some((id, request)) = self.waiting.pop_front() else {
+            return Ok(());
+        };
+        let cache = KvCache::new(&self.model.layer_specs(), &self.scheme, vec![0])?
+            .with_isa(self.model.isa());
+        self.prefill = Some(Prefill {
+            id,
+            request,
+            cache,
+            fed: 0,
+            kv_bytes: bytes,
+        });
+        Ok(())
+    }
+
+    /// Reads one chunk of the prompt being prefilled (ending where the KV transition
+    /// converts, as a single session's prefill does); when the prompt is read, samples its
+    /// first token and moves its row into the running batch.
+    fn prefill_chunk(&mut self, events: &mut Vec<Event>) -> Result<(), EngineError> {
+        let Some(p) = self.prefill.as_mut() else {
+            return Ok(());
+        };
+        let rest = p.request.prompt.len() - p.fed;
+        let len = p
+            .cache
+            .max_append_tokens()
+            .map_or(self.prefill_chunk, |m| m.min(self.prefill_chunk))
+            .min(rest);
+        let chunk = &p.request.prompt[p.fed..p.fed + len];
+        let ids = Tensor::from_slice(chunk, (1, len), self.model.device())?;
+        let logits = self.model.forward(&ids, &mut p.cache, LogitsMode::Last)?;
+        p.fed += len;
+        if p.fed < p.request.prompt.len() {
+            return Ok(());
+        }
+        let Some(p) = self.prefill.take() else {
+            return Ok(());
+        };
+        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        let GenerationRequest {
+            prompt,
+            max_tokens,
+            sampler,
+            stop_tokens,
+        } = p.request;
+        let mut row = Row {
+            id: p.id,
+            sampler: Sampler::new(sampler),
+            prompt_tokens: prompt.len(),
+            history: prompt,
+            produced: 0,
+            max_tokens,
+            stop_tokens,
+            next: 0,
+            kv_bytes: p.kv_bytes,
+        };
+        if let Some(reason) = row.take(&logits, events) {
+            events.push(row.finished(reason));
+            return Ok(());
+        }
+        self.running = Some(match self.running.take() {
+            None => p.cache,
+            Some(running) => KvCache::merge(vec![running, p.cache])?,
+        });
+        self.rows.push(row);
+        Ok(())
+    }
+
+    /// One token for every running row; rows that finish leave the batch.
+    fn decode(&mut self, events: &mut Vec<Event>) -> Result<(), EngineError> {
+        let Some(cache) = self.running.as_mut() else {
+            return Ok(());
+        };
+        // A row whose context is full ends before the forward.
+        let context = self.model.context_length();
+        let offsets = cache.offsets();
+        let mut done: Vec<usize> = Vec::new();
+        for (i, row) in self.rows.iter().enumerate() {
+            if offsets[i] + 1 > context {
+                events.push(row.finished(StopReason::ContextLimit));
+                done.push(i);
+            }
+        }
+        if done.is_empty() {
+            let ids: Vec<u32> = self.rows.iter().map(|r| r.next).collect();
+            let ids = Tensor::from_vec(ids, (self.rows.len(), 1), self.model.device())?;
+            let logits = self.model.forward(&ids, cache, LogitsMode::Last)?;
+            let logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+            for (i, (row, l)) in self.rows.iter_mut().zip(&logits).enumerate() {
+                if let Some(reason) = row.take(l, events) {
+                    events.push(row.finished(reason));
+                    done.push(i);
+                }
+            }
+        }
+        self.remove_rows(&done)
+    }
+
+    fn drop_cancelled(&mut self) -> Result<(), EngineError> {
+        if self.cancelled.is_empty() {
+            return Ok(());
+        }
+        let cancelled = std::mem::take(&mut self.cancelled);
+        let gone: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| cancelled.contains(&self.rows[i].id))
+            .collect();
+        self.remove_rows(&gone)
+    }
+
+    /// Filters rows `gone` out of the running batch.
+    fn remove_rows(&mut self, gone: &[usize]) -> Result<(), EngineError> {
+        if gone.is_empty() {
+            return Ok(());
+        }
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|i| !gone.contains(i)).collect();
+        if keep.is_empty() {
+            self.running = None;
+        } else if let Some(cache) = self.running.as_mut() {
+            cache.filter(&keep)?;
+        }
+        let mut i = 0;
+        self.rows.retain(|_| {
+            i += 1;
+            !gone.contains(&(i - 1))
+        });
+        Ok(())
+    }
+}
+
+impl Row {
+    /// Samples the next token from `logits`: emits it and returns `None`, or returns why
+    /// the request ends (a stop token is not emitted).
+    fn take(&mut self, logits: &[f32], events: &mut Vec<Event>) -> Option<StopReason> {
+        if self.produced >= self.max_tokens {
+            return Some(StopReason::MaxTokens);
+        }
+        let token = self.sampler.sample(logits, &self.history);
+        if self.stop_tokens.contains(&token) {
+            return Some(StopReason::EndToken);
+        }
+        events.push(Event::Token { id: self.id, token });
+        self.produced += 1;
+        self.history.push(token);
+        self.next = token;
+        (self.produced >= self.max_tokens).then_some(StopReason::MaxTokens)
+    }
+
+    fn finished(&self, reason: StopReason) -> Event {
+        Event::Finished {
+            id: self.id,
+            reason,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.produced,
+        }
+    }
+}
+
 /// Greedy continuations of every prompt, `max_tokens` each (a row stops early at one of
-/// `stop_tokens`). Equal to running each prompt alone.
+/// `stop_tokens`), decoded together in one [`Batch`]. Equal to running each prompt alone.
 pub fn generate_batch_greedy(
     model: &Model,
     prompts: &[Vec<u32>],
@@ -16,71 +439,33 @@ pub fn generate_batch_greedy(
     scheme: &KvScheme,
     prefill_chunk: usize,
     stop_tokens: &[u32],
-    pad_token: u32,
 ) -> Result<Vec<Vec<u32>>, EngineError> {
-    if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
-        return Err(EngineError::EmptyPrompt);
-    }
-    if prefill_chunk == 0 {
-        return Err(EngineError::Invalid(
-            "--prefill-chunk must be at least 1".into(),
-        ));
-    }
-    let longest = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
-    // Saturating: a huge `max_tokens` must not wrap around past the check.
-    if longest.saturating_add(max_tokens) > model.context_length() {
-        return Err(EngineError::PromptTooLong {
-            prompt: longest.saturating_add(max_tokens),
-            context: model.context_length(),
-        });
-    }
-    let pads: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
-    let rows: Vec<Vec<u32>> = prompts
+    let limits = BatchLimits {
+        max_batch: prompts.len().max(1),
+        kv_budget: None,
+        max_queue: prompts.len().max(1),
+    };
+    let mut batch = Batch::new(model, scheme, prefill_chunk, limits)?;
+    let ids = prompts
         .iter()
-        .zip(&pads)
-        .map(|(p, &pad)| {
-            std::iter::repeat(pad_token)
-                .take(pad)
-                .chain(p.iter().copied())
-                .collect()
+        .map(|p| {
+            batch.add(GenerationRequest {
+                prompt: p.clone(),
+                max_tokens,
+                sampler: SamplerConfig::default(),
+                stop_tokens: stop_tokens.to_vec(),
+            })
         })
-        .collect();
-    let mut cache = KvCache::new(&model.layer_specs(), scheme, pads)?.with_isa(model.isa());
-    let device = model.device();
-    let b = prompts.len();
-    let mut logits = None;
-    let mut start = 0;
-    while start < longest {
-        let n = prefill_chunk.min(longest - start);
-        let chunk: Vec<u32> = rows
-            .iter()
-            .flat_map(|r| r[start..start + n].iter().copied())
-            .collect();
-        let ids = Tensor::from_vec(chunk, (b, n), device)?;
-        logits = Some(model.forward(&ids, &mut cache, LogitsMode::Last)?);
-        start += n;
-    }
-    let mut out = vec![Vec::new(); b];
-    let mut done = vec![false; b];
-    let mut logits = logits.ok_or(EngineError::EmptyPrompt)?;
-    for step in 0..max_tokens {
-        let rows_logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
-        let next: Vec<u32> = rows_logits.iter().map(|l| argmax(l)).collect();
-        for (row, &t) in next.iter().enumerate() {
-            if done[row] {
-                continue;
-            }
-            if stop_tokens.contains(&t) {
-                done[row] = true;
-            } else {
-                out[row].push(t);
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut out = vec![Vec::new(); prompts.len()];
+    while !batch.is_idle() {
+        for event in batch.step()? {
+            if let Event::Token { id, token } = event {
+                if let Some(i) = ids.iter().position(|&r| r == id) {
+                    out[i].push(token);
+                }
             }
         }
-        if done.iter().all(|&d| d) || step + 1 == max_tokens {
-            break;
-        }
-        let ids = Tensor::from_vec(next, (b, 1), device)?;
-        logits = model.forward(&ids, &mut cache, LogitsMode::Last)?;
     }
     Ok(out)
 }

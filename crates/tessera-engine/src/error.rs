@@ -11,6 +11,9 @@ pub enum EngineError {
     #[error("the text has {have} tokens; this evaluation needs at least {need}")]
     TextTooShort { have: usize, need: usize },
 
+    #[error("the queue is full ({limit} requests waiting); try again later")]
+    QueueFull { limit: usize },
+
     #[error("invalid setting: {0}")]
     Invalid(String),
 

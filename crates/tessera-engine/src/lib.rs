@@ -2,7 +2,10 @@
 //!
 //! A [`Session`] owns one KV cache and feeds tokens through a model (prefill in chunks,
 //! decode one token at a time); [`Generation`] samples from it with a [`Sampler`] until a
-//! stop; [`generate_batch_greedy`] runs several prompts as one left-padded batch;
+//! stop; a [`Batch`] is the step-level engine — requests added, prefilled in bounded chunks
+//! between decode steps, merged into the running batch and filtered out when they finish
+//! (continuous batching, with admission limits) — and [`generate_batch_greedy`] runs several
+//! prompts through one;
 //! [`eval`] measures perplexity and KL divergence per KV scheme; [`store`] fetches and
 //! verifies the default model.
 //! [`chat`] renders a model's Jinja chat template (or a built-in one) into a prompt.
@@ -16,7 +19,7 @@ mod sampler;
 mod session;
 pub mod store;
 
-pub use batch::generate_batch_greedy;
+pub use batch::{generate_batch_greedy, Batch, BatchLimits, Event, GenerationRequest, RequestId};
 pub use error::EngineError;
 pub use generate::{Generation, StopReason, TextStream};
 pub use sampler::{argmax, Sampler, SamplerConfig};

@@ -85,7 +85,7 @@ fn left_padded_batch_equals_one_at_a_time() {
     );
     let scheme = KvScheme::parse("bf16").unwrap();
     let steps = 12;
-    let batched = generate_batch_greedy(&model, &prompts, steps, &scheme, 256, &[], 0).unwrap();
+    let batched = generate_batch_greedy(&model, &prompts, steps, &scheme, 256, &[]).unwrap();
     for (prompt, got) in prompts.iter().zip(&batched) {
         let mut session = Session::new(&model, &scheme, 256).unwrap();
         let alone: Vec<u32> = Generation::new(

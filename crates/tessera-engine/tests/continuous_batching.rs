@@ -1,0 +1,294 @@
+//! Continuous batching on the real model: requests of different prompt lengths join a
+//! running batch at different steps (prompts read in bounded chunks between decode steps),
+//! leave it when they finish or are cancelled, and each one's tokens equal the same request
+//! run alone through a `Session` — for bf16, affine:4 and turbo:4 caches. Weights are
+//! dequantized to f32 (as in cache_paths.rs) so that batch shapes cannot change a sum.
+
+mod common;
+
+use std::collections::HashMap;
+use tessera_engine::{
+    Batch, BatchLimits, EngineError, Event, Generation, GenerationRequest, RequestId,
+    SamplerConfig, Session, StopReason,
+};
+use tessera_kv::KvScheme;
+use tessera_models::Model;
+
+const CHUNK: usize = 64;
+
+fn prompts(tok: &tessera_models::Tokenizer) -> Vec<Vec<u32>> {
+    let corpus = common::corpus();
+    let chars: Vec<char> = corpus.chars().collect();
+    // Lengths from a handful of tokens to past the 512-position sliding window.
+    [
+        (500, 30),
+        (4000, 400),
+        (9000, 12),
+        (20000, 2700),
+        (31000, 220),
+        (45000, 90),
+    ]
+    .iter()
+    .map(|&(at, len)| {
+        tok.encode(&chars[at..at + len].iter().collect::<String>(), true)
+            .unwrap()
+    })
+    .collect()
+}
+
+fn alone(
+    model: &Model,
+    scheme: &KvScheme,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampler: SamplerConfig,
+) -> Vec<u32> {
+    let mut session = Session::new(model, scheme, CHUNK).unwrap();
+    Generation::new(&mut session, prompt, sampler, max_tokens, vec![])
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+/// Runs `requests` (added at the step of their index in `join_at`) through one batch;
+/// returns each request's tokens and finish event, and the most rows ever running.
+fn batched(
+    model: &Model,
+    scheme: &KvScheme,
+    requests: &[GenerationRequest],
+    join_at: &[usize],
+    limits: BatchLimits,
+    cancel: Option<(usize, usize)>,
+) -> (Vec<Vec<u32>>, Vec<Option<Event>>, usize) {
+    let mut batch = Batch::new(model, scheme, CHUNK, limits).unwrap();
+    let mut ids: Vec<Option<RequestId>> = vec![None; requests.len()];
+    let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut finished: HashMap<RequestId, Event> = HashMap::new();
+    let mut most = 0;
+    let mut step = 0;
+    loop {
+        for (i, r) in requests.iter().enumerate() {
+            if join_at[i] == step {
+                ids[i] = Some(batch.add(r.clone()).unwrap());
+            }
+        }
+        if let Some((which, at)) = cancel {
+            if at == step {
+                assert!(batch.cancel(ids[which].unwrap()), "the request was live");
+            }
+        }
+        if batch.is_idle() && join_at.iter().all(|&j| j < step) {
+            break;
+        }
+        for event in batch.step().unwrap() {
+            match event {
+                Event::Token { id, token } => tokens.entry(id).or_default().push(token),
+                Event::Finished { id, .. } => {
+                    assert!(finished.insert(id, event).is_none(), "finished twice");
+                }
+            }
+        }
+        most = most.max(batch.running());
+        step += 1;
+        assert!(step < 2000, "the batch does not finish");
+    }
+    let out = ids
+        .iter()
+        .map(|id| tokens.remove(&id.unwrap()).unwrap_or_default())
+        .collect();
+    let events = ids.iter().map(|id| finished.remove(&id.unwrap())).collect();
+    (out, events, most)
+}
+
+#[test]
+fn requests_joining_and_leaving_equal_each_run_alone() {
+    let (model, tok) = common::load_f32_weights();
+    let prompts = prompts(&tok);
+    assert!(prompts[3].len() > 512, "one prompt wraps the sliding rings");
+    let max_tokens = [9, 4, 12, 6, 1, 8];
+    let join_at = [0, 0, 2, 3, 9, 14];
+    for kv in ["bf16", "affine:4", "turbo:4"] {
+        let scheme = KvScheme::parse(kv).unwrap();
+        // One request samples (seeded): its draws must not depend on its neighbours.
+        let requests: Vec<GenerationRequest> = prompts
+            .iter()
+            .zip(max_tokens)
+            .enumerate()
+            .map(|(i, (p, m))| GenerationRequest {
+                prompt: p.clone(),
+                max_tokens: m,
+                sampler: if i == 2 {
+                    SamplerConfig {
+                        temperature: 0.9,
+                        top_k: Some(40),
+                        seed: 7,
+                        ..SamplerConfig::default()
+                    }
+                } else {
+                    SamplerConfig::default()
+                },
+                stop_tokens: vec![],
+            })
+            .collect();
+        let limits = BatchLimits {
+            max_batch: 3,
+            kv_budget: None,
+            max_queue: 8,
+        };
+        let (out, events, most) = batched(&model, &scheme, &requests, &join_at, limits, None);
+        assert!(most <= 3, "{kv}: {most} rows ran at once, the limit is 3");
+        assert!(most >= 2, "{kv}: rows never ran together");
+        for (i, r) in requests.iter().enumerate() {
+            let want = alone(&model, &scheme, &r.prompt, r.max_tokens, r.sampler.clone());
+            assert_eq!(
+                out[i],
+                want,
+                "{kv}: request {i} ({} prompt tokens)",
+                r.prompt.len()
+            );
+            assert_eq!(
+                events[i],
+                Some(Event::Finished {
+                    id: match events[i] {
+                        Some(Event::Finished { id, .. }) => id,
+                        _ => unreachable!("checked by the equality"),
+                    },
+                    reason: StopReason::MaxTokens,
+                    prompt_tokens: r.prompt.len(),
+                    completion_tokens: r.max_tokens,
+                }),
+                "{kv}: request {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_cancelled_request_leaves_and_the_others_go_on() {
+    let (model, tok) = common::load_f32_weights();
+    let prompts = prompts(&tok);
+    let scheme = KvScheme::parse("affine:4").unwrap();
+    let requests: Vec<GenerationRequest> = [0usize, 2, 5]
+        .iter()
+        .map(|&i| GenerationRequest {
+            prompt: prompts[i].clone(),
+            max_tokens: 10,
+            sampler: SamplerConfig::default(),
+            stop_tokens: vec![],
+        })
+        .collect();
+    // Request 1 is cancelled once all three decode together.
+    let (out, events, _) = batched(
+        &model,
+        &scheme,
+        &requests,
+        &[0, 0, 0],
+        BatchLimits::default(),
+        Some((1, 5)),
+    );
+    assert!(
+        events[1].is_none(),
+        "a cancelled request has no finish event"
+    );
+    assert!(
+        out[1].len() < 10,
+        "it stopped early ({} tokens)",
+        out[1].len()
+    );
+    for i in [0, 2] {
+        let want = alone(
+            &model,
+            &scheme,
+            &requests[i].prompt,
+            10,
+            SamplerConfig::default(),
+        );
+        assert_eq!(out[i], want, "request {i} after its neighbour left");
+    }
+    // The cancelled one's tokens so far are the start of its own run.
+    let want = alone(
+        &model,
+        &scheme,
+        &requests[1].prompt,
+        10,
+        SamplerConfig::default(),
+    );
+    assert_eq!(out[1][..], want[..out[1].len()]);
+}
+
+#[test]
+fn admission_limits_queue_context_and_kv_budget() {
+    let (model, tok) = common::load(false);
+    let prompts = prompts(&tok);
+    let scheme = KvScheme::parse("bf16").unwrap();
+    let request = |p: &Vec<u32>, max_tokens| GenerationRequest {
+        prompt: p.clone(),
+        max_tokens,
+        sampler: SamplerConfig::default(),
+        stop_tokens: vec![],
+    };
+    // The queue: the third waiting request is refused, nothing else changes.
+    let limits = BatchLimits {
+        max_batch: 1,
+        kv_budget: None,
+        max_queue: 2,
+    };
+    let mut batch = Batch::new(&model, &scheme, CHUNK, limits).unwrap();
+    batch.add(request(&prompts[0], 2)).unwrap();
+    batch.add(request(&prompts[2], 2)).unwrap();
+    match batch.add(request(&prompts[1], 2)) {
+        Err(EngineError::QueueFull { limit: 2 }) => {}
+        other => panic!("a full queue: {other:?}"),
+    }
+    assert_eq!(batch.waiting(), 2);
+    // Past the context: both counts named.
+    let context = model.context_length();
+    match batch.add(request(&prompts[0], context)) {
+        Err(EngineError::PromptTooLong { prompt, context: c }) => {
+            assert_eq!((prompt, c), (prompts[0].len() + context, context))
+        }
+        other => panic!("past the context: {other:?}"),
+    }
+    assert!(matches!(
+        batch.add(request(&vec![], 2)),
+        Err(EngineError::EmptyPrompt)
+    ));
+    assert!(matches!(
+        batch.add(request(&vec![u32::MAX], 2)),
+        Err(EngineError::Invalid(_))
+    ));
+    // The KV budget: room for the two shorter requests' whole growth, not for a third.
+    let need = |p: &Vec<u32>, m: usize| batch.kv_bytes_for(p.len() + m);
+    let budget = need(&prompts[0], 4) + need(&prompts[2], 4) + need(&prompts[5], 4) / 2;
+    let limits = BatchLimits {
+        max_batch: 8,
+        kv_budget: Some(budget),
+        max_queue: 8,
+    };
+    let mut batch = Batch::new(&model, &scheme, CHUNK, limits).unwrap();
+    for i in [0, 2, 5] {
+        batch.add(request(&prompts[i], 4)).unwrap();
+    }
+    let too_big = GenerationRequest {
+        max_tokens: context - prompts[0].len(),
+        ..request(&prompts[0], 0)
+    };
+    if batch.kv_bytes_for(context) > budget {
+        assert!(matches!(batch.add(too_big), Err(EngineError::Invalid(_))));
+    }
+    let mut finished = 0;
+    let mut steps = 0;
+    while !batch.is_idle() {
+        assert!(batch.kv_bytes_reserved() <= budget, "over the budget");
+        assert!(
+            batch.running() <= 2,
+            "a third row was admitted past the budget"
+        );
+        for event in batch.step().unwrap() {
+            finished += matches!(event, Event::Finished { .. }) as usize;
+        }
+        steps += 1;
+        assert!(steps < 500);
+    }
+    assert_eq!(finished, 3, "the third request ran once a row left");
+}
