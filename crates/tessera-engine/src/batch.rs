@@ -13,6 +13,7 @@
 //! most `max_queue` waiting requests.
 
 use crate::generate::StopReason;
+use crate::prefix::PrefixCache;
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::EngineError;
 use candle_core::Tensor;
@@ -44,6 +45,8 @@ pub enum Event {
         reason: StopReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens a stored prefix gave (not read again).
+        cached_tokens: usize,
     },
 }
 
@@ -76,6 +79,7 @@ struct Row {
     /// Prompt and generated tokens (the sampler's history).
     history: Vec<u32>,
     prompt_tokens: usize,
+    cached_tokens: usize,
     produced: usize,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
@@ -90,6 +94,7 @@ struct Prefill {
     request: GenerationRequest,
     cache: KvCache,
     fed: usize,
+    cached: usize,
     kv_bytes: usize,
 }
 
@@ -108,6 +113,7 @@ pub struct Batch<'m> {
     /// Running rows cancelled since the last step.
     cancelled: Vec<RequestId>,
     next_id: RequestId,
+    prefixes: Option<PrefixCache>,
 }
 
 impl<'m> Batch<'m> {
@@ -151,7 +157,20 @@ impl<'m> Batch<'m> {
             waiting: VecDeque::new(),
             cancelled: Vec::new(),
             next_id: 0,
+            prefixes: None,
         })
+    }
+
+    /// Keeps finished requests' rows (up to `budget` bytes of KV) so later requests sharing
+    /// a prefix with one read only their new suffix ([`PrefixCache`]).
+    pub fn with_prefix_cache(mut self, budget: usize) -> Self {
+        self.prefixes = (budget > 0).then(|| PrefixCache::new(budget));
+        self
+    }
+
+    /// The prefix store, where there is one.
+    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+        self.prefixes.as_ref()
     }
 
     /// KV bytes one row holding `positions` positions costs.
@@ -276,13 +295,24 @@ impl<'m> Batch<'m> {
         let Some((id, request)) = self.waiting.pop_front() else {
             return Ok(());
         };
-        let cache = KvCache::new(&self.model.layer_specs(), &self.scheme, vec![0])?
-            .with_isa(self.model.isa());
+        let reused = self
+            .prefixes
+            .as_mut()
+            .and_then(|store| store.lookup(&request.prompt));
+        let (cache, fed) = match reused {
+            Some((cache, len)) => (cache, len),
+            None => (
+                KvCache::new(&self.model.layer_specs(), &self.scheme, vec![0])?
+                    .with_isa(self.model.isa()),
+                0,
+            ),
+        };
         self.prefill = Some(Prefill {
             id,
             request,
             cache,
-            fed: 0,
+            fed,
+            cached: fed,
             kv_bytes: bytes,
         });
         Ok(())
@@ -322,6 +352,7 @@ impl<'m> Batch<'m> {
             id: p.id,
             sampler: Sampler::new(sampler),
             prompt_tokens: prompt.len(),
+            cached_tokens: p.cached,
             history: prompt,
             produced: 0,
             max_tokens,
@@ -331,6 +362,9 @@ impl<'m> Batch<'m> {
         };
         if let Some(reason) = row.take(&logits, events) {
             events.push(row.finished(reason));
+            if let Some(store) = self.prefixes.as_mut() {
+                store.insert(row.history[..row.prompt_tokens].to_vec(), p.cache);
+            }
             return Ok(());
         }
         self.running = Some(match self.running.take() {
@@ -387,6 +421,14 @@ impl<'m> Batch<'m> {
         if gone.is_empty() {
             return Ok(());
         }
+        if let (Some(store), Some(cache)) = (self.prefixes.as_mut(), self.running.as_ref()) {
+            // Each leaving row holds the tokens it was fed: its history up to its offset.
+            let offsets = cache.offsets();
+            for &i in gone {
+                let fed = offsets[i].min(self.rows[i].history.len());
+                store.insert(self.rows[i].history[..fed].to_vec(), cache.extract(i)?);
+            }
+        }
         let keep: Vec<usize> = (0..self.rows.len()).filter(|i| !gone.contains(i)).collect();
         if keep.is_empty() {
             self.running = None;
@@ -426,6 +468,7 @@ impl Row {
             reason,
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.produced,
+            cached_tokens: self.cached_tokens,
         }
     }
 }

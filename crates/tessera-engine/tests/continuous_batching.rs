@@ -156,6 +156,7 @@ fn requests_joining_and_leaving_equal_each_run_alone() {
                     reason: StopReason::MaxTokens,
                     prompt_tokens: r.prompt.len(),
                     completion_tokens: r.max_tokens,
+                    cached_tokens: 0,
                 }),
                 "{kv}: request {i}"
             );
@@ -291,4 +292,117 @@ fn admission_limits_queue_context_and_kv_budget() {
         assert!(steps < 500);
     }
     assert_eq!(finished, 3, "the third request ran once a row left");
+}
+
+/// Runs `request` alone through `batch` to its end: its tokens and finish event.
+fn serve_one(batch: &mut Batch, request: GenerationRequest) -> (Vec<u32>, Event) {
+    let id = batch.add(request).unwrap();
+    let mut tokens = Vec::new();
+    let mut finished = None;
+    while !batch.is_idle() {
+        for event in batch.step().unwrap() {
+            match event {
+                Event::Token { id: i, token } if i == id => tokens.push(token),
+                Event::Finished { id: i, .. } if i == id => finished = Some(event),
+                _ => {}
+            }
+        }
+    }
+    (tokens, finished.expect("a finish event"))
+}
+
+fn cached(event: &Event) -> usize {
+    match event {
+        Event::Finished { cached_tokens, .. } => *cached_tokens,
+        Event::Token { .. } => unreachable!("a finish event"),
+    }
+}
+
+/// A finished request's row is kept and a later request sharing its prefix reads only the
+/// rest: `cached_tokens` says how much, and the greedy tokens equal the request run alone
+/// with the same prefill chunks (chunk boundaries change f32 sums in the last bits, which can
+/// flip a greedy near-tie, so each reference replays the chunks the batch ran). On Gemma 3 a
+/// row whose sliding rings have wrapped is reused only whole (a conversation continuing),
+/// never cut back to a shorter shared prefix.
+#[test]
+fn prefix_reuse_reads_only_the_new_suffix() {
+    let (model, tok) = common::load_f32_weights();
+    let prompts = prompts(&tok);
+    let scheme = KvScheme::parse("bf16").unwrap();
+    let request = |prompt: Vec<u32>, max_tokens| GenerationRequest {
+        prompt,
+        max_tokens,
+        sampler: SamplerConfig::default(),
+        stop_tokens: vec![],
+    };
+    let store = || {
+        Batch::new(&model, &scheme, CHUNK, BatchLimits::default())
+            .unwrap()
+            .with_prefix_cache(256 << 20)
+    };
+    // A shared "system prompt" of four whole chunks, two different questions.
+    let mut batch = store();
+    let system = prompts[3][..4 * CHUNK].to_vec();
+    let first: Vec<u32> = system.iter().chain(&prompts[2][1..]).copied().collect();
+    let second: Vec<u32> = system.iter().chain(&prompts[0][1..]).copied().collect();
+    assert_ne!(
+        first[4 * CHUNK],
+        second[4 * CHUNK],
+        "the questions differ at once"
+    );
+    let (_, done) = serve_one(&mut batch, request(first.clone(), 6));
+    assert_eq!(cached(&done), 0, "nothing stored yet");
+    let (got, done) = serve_one(&mut batch, request(second.clone(), 6));
+    assert_eq!(cached(&done), 4 * CHUNK, "the shared prefix is reused");
+    assert_eq!(
+        got,
+        alone(&model, &scheme, &second, 6, SamplerConfig::default())
+    );
+    assert_eq!(batch.prefix_cache().unwrap().hits(), (1, 4 * CHUNK as u64));
+    // A conversation past the 512-position window: the whole previous exchange is reused.
+    let mut batch = store();
+    let long = prompts[3].clone();
+    let (answer, _) = serve_one(&mut batch, request(long.clone(), 5));
+    let follow_up: Vec<u32> = long
+        .iter()
+        .chain(&answer)
+        .chain(&prompts[2][1..])
+        .copied()
+        .collect();
+    let (got, done) = serve_one(&mut batch, request(follow_up.clone(), 5));
+    let fed = long.len() + answer.len() - 1;
+    assert_eq!(cached(&done), fed, "the exchange's fed tokens");
+    let mut session = Session::new(&model, &scheme, CHUNK).unwrap();
+    session.feed(&long).unwrap();
+    for &t in &answer[..answer.len() - 1] {
+        session.feed(&[t]).unwrap();
+    }
+    let want: Vec<u32> = Generation::new(
+        &mut session,
+        &follow_up[fed..],
+        SamplerConfig::default(),
+        5,
+        vec![],
+    )
+    .unwrap()
+    .collect::<Result<_, _>>()
+    .unwrap();
+    assert_eq!(got, want, "the follow-up");
+    // Sharing only the long prompt's first half: its wrapped rings cannot be cut back there.
+    let half: Vec<u32> = long[..long.len() / 2]
+        .iter()
+        .chain(&prompts[0][1..])
+        .copied()
+        .collect();
+    let (got, done) = serve_one(&mut batch, request(half.clone(), 5));
+    assert_eq!(
+        cached(&done),
+        0,
+        "a wrapped ring gives no shorter prefix back"
+    );
+    assert_eq!(
+        got,
+        alone(&model, &scheme, &half, 5, SamplerConfig::default())
+    );
+    assert_eq!(batch.prefix_cache().unwrap().hits(), (1, fed as u64));
 }
