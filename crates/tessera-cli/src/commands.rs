@@ -377,6 +377,81 @@ pub fn chat(
     }
 }
 
+/// `tessera serve`'s own flags.
+pub struct ServeArgs {
+    pub host: String,
+    pub port: u16,
+    pub max_batch: usize,
+    pub kv_budget_mib: Option<usize>,
+    pub max_queue: usize,
+    pub prefix_cache_mib: usize,
+    pub prefill_chunk: usize,
+    pub api_key: Option<String>,
+}
+
+pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
+    if args.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    if args.max_queue == 0 {
+        bail!("--max-queue must be at least 1");
+    }
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        bail!("--api-key must not be empty");
+    }
+    let scheme = scheme_of(kv)?;
+    let path = model_path(margs)?;
+    let (model, tok) = load(margs)?;
+    notice_scheme(&model, &scheme);
+    // A model whose template does not compile still serves completions.
+    let template = match chat_template(&tok) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            eprintln!("note: /v1/chat/completions is off: {e:#}");
+            None
+        }
+    };
+    let chat_stops = match &template {
+        Some(t) => chat_stop_tokens(&tok, t),
+        None => stop_tokens(&tok),
+    };
+    let model_name = match &margs.model {
+        Some(m) if !m.exists() => m.display().to_string(),
+        _ => path.file_stem().map_or_else(
+            || path.display().to_string(),
+            |s| s.to_string_lossy().into(),
+        ),
+    };
+    let limits = tessera_engine::BatchLimits {
+        max_batch: args.max_batch,
+        kv_budget: args.kv_budget_mib.map(|m| m.saturating_mul(1 << 20)),
+        max_queue: args.max_queue,
+    };
+    // Refuse bad limits before listening.
+    tessera_engine::Batch::new(&model, &scheme, args.prefill_chunk, limits)?;
+    let config = tessera_server::ServerConfig {
+        host: args.host,
+        port: args.port,
+        model_name,
+        api_key: args.api_key,
+        engine: tessera_server::engine::EngineParts {
+            stop_tokens: stop_tokens(&tok),
+            chat_stop_tokens: chat_stops,
+            model,
+            tokenizer: tok,
+            scheme,
+            prefill_chunk: args.prefill_chunk,
+            limits,
+            prefix_cache: args.prefix_cache_mib.saturating_mul(1 << 20),
+            chat_template: template,
+        },
+    };
+    Ok(tessera_server::serve(config)?)
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn eval(
     margs: &ModelArgs,

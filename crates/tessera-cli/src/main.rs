@@ -194,6 +194,39 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
+    /// /v1/chat/completions, /v1/models, /health), continuous batching on one engine thread.
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        kv: KvArgs,
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port to listen on (0: any free port; the "listening on" line says which).
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Most requests decoded together.
+        #[arg(long, default_value_t = 16)]
+        max_batch: usize,
+        /// Most KV MiB the admitted requests may grow to (default: no budget).
+        #[arg(long, value_name = "MiB")]
+        kv_budget: Option<usize>,
+        /// Most requests waiting for admission; past it requests get 429.
+        #[arg(long, default_value_t = 256)]
+        max_queue: usize,
+        /// KV MiB of finished requests' rows kept so requests sharing a prefix (a system
+        /// prompt, a conversation's history) read only their new suffix (0: off).
+        #[arg(long, value_name = "MiB", default_value_t = 0)]
+        prefix_cache: usize,
+        /// Prompt tokens per prefill chunk (between decode steps of running requests).
+        #[arg(long, default_value_t = tessera_engine::DEFAULT_PREFILL_CHUNK)]
+        prefill_chunk: usize,
+        /// Require `Authorization: Bearer KEY` on /v1/*.
+        #[arg(long)]
+        api_key: Option<String>,
+    },
     /// List or fetch the built-in models, fetch the test vocabularies, describe a model
     /// file, or write a synthetic one.
     Model {
@@ -331,6 +364,31 @@ fn run(cli: Cli) -> Result<()> {
             },
             &kv,
             json,
+        ),
+        Command::Serve {
+            model,
+            kv,
+            host,
+            port,
+            max_batch,
+            kv_budget,
+            max_queue,
+            prefix_cache,
+            prefill_chunk,
+            api_key,
+        } => commands::serve(
+            &model,
+            &kv,
+            commands::ServeArgs {
+                host,
+                port,
+                max_batch,
+                kv_budget_mib: kv_budget,
+                max_queue,
+                prefix_cache_mib: prefix_cache,
+                prefill_chunk,
+                api_key,
+            },
         ),
         Command::Model {
             action: ModelAction::List,

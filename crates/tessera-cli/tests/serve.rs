@@ -1,0 +1,558 @@
+//! `tessera serve` end to end: the real binary on 127.0.0.1 with the default model, driven
+//! by a small HTTP/1.1 client over `TcpStream`; every server is killed when its test ends.
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const KEY: &str = "sk-test-key";
+const PROMPT: &str = "The capital of France is";
+
+fn model() -> PathBuf {
+    std::env::var_os("TESSERA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(tessera_engine::store::default_model_path)
+}
+
+/// A running `tessera serve`, killed (by its pid) on drop.
+struct Server {
+    child: Child,
+    port: u16,
+    key: Option<&'static str>,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let model = model();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["serve", "--port", "0", "--model", model.to_str().unwrap()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("tessera serve starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                let _ = tx.send(line);
+            }
+        });
+        let key = extra.iter().position(|&a| a == "--api-key").map(|_| KEY);
+        let mut server = Server {
+            child,
+            port: 0,
+            key,
+        };
+        let mut seen = Vec::new();
+        loop {
+            match rx.recv_timeout(Duration::from_secs(120)) {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix("listening on http://127.0.0.1:") {
+                        server.port = rest.trim().parse().expect("a port");
+                        return server;
+                    }
+                    seen.push(line);
+                }
+                Err(_) => panic!("no `listening on` line; stderr: {seen:?}"),
+            }
+        }
+    }
+
+    fn request(&self, method: &str, path: &str, body: Option<&[u8]>) -> Response {
+        let auth = self.key.map(|k| format!("Bearer {k}"));
+        self.request_with(method, path, body, auth.as_deref())
+    }
+
+    fn request_with(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&[u8]>,
+        auth: Option<&str>,
+    ) -> Response {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).expect("connects");
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let mut head =
+            format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
+        if let Some(a) = auth {
+            head.push_str(&format!("Authorization: {a}\r\n"));
+        }
+        if let Some(b) = body {
+            head.push_str(&format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                b.len()
+            ));
+        }
+        head.push_str("\r\n");
+        s.write_all(head.as_bytes()).unwrap();
+        if let Some(b) = body {
+            s.write_all(b).unwrap();
+        }
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).expect("reads the response");
+        Response::parse(&raw)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Response {
+        self.request("POST", path, Some(body.to_string().as_bytes()))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Response {
+    fn parse(raw: &[u8]) -> Response {
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a header block");
+        let head = std::str::from_utf8(&raw[..split]).unwrap();
+        let mut lines = head.split("\r\n");
+        let status: u16 = lines
+            .next()
+            .unwrap()
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let mut body = raw[split + 4..].to_vec();
+        if headers
+            .iter()
+            .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
+        {
+            body = dechunk(&body);
+        }
+        Response {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn text(&self) -> &str {
+        std::str::from_utf8(&self.body).expect("UTF-8 body")
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("JSON body ({e}): {:?}", self.text()))
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n").expect("chunk size");
+        let size = std::str::from_utf8(&b[..eol]).unwrap();
+        let size = usize::from_str_radix(size.split(';').next().unwrap().trim(), 16).unwrap();
+        b = &b[eol + 2..];
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[..size]);
+        b = &b[size + 2..];
+    }
+}
+
+/// An OpenAI-shaped error body with this status.
+fn assert_error(r: &Response, status: u16) -> Value {
+    assert_eq!(r.status, status, "body: {}", r.text());
+    let v = r.json();
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+    v
+}
+
+fn completion(prompt: &str, max_tokens: usize) -> Value {
+    json!({"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+}
+
+fn check_usage(u: &Value) {
+    let p = u["prompt_tokens"].as_u64().unwrap();
+    let c = u["completion_tokens"].as_u64().unwrap();
+    assert_eq!(u["total_tokens"].as_u64().unwrap(), p + c);
+    let cached = u["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached <= p, "{cached} cached of {p} prompt tokens");
+}
+
+/// The SSE events of `body`, checked byte for byte: `data: ` + JSON + `\n\n` each, and a
+/// final `data: [DONE]\n\n`.
+fn sse_events(body: &str) -> Vec<Value> {
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body:?}");
+    let events = &body[..body.len() - "data: [DONE]\n\n".len()];
+    assert!(events.ends_with("\n\n"), "{body:?}");
+    events[..events.len() - 2]
+        .split("\n\n")
+        .map(|e| {
+            let json = e.strip_prefix("data: ").unwrap_or_else(|| panic!("{e:?}"));
+            assert!(!json.contains('\n'), "one line per event: {e:?}");
+            serde_json::from_str(json).unwrap_or_else(|err| panic!("{err}: {json:?}"))
+        })
+        .collect()
+}
+
+#[test]
+fn health_models_and_api_key() {
+    let server = Server::start(&["--api-key", KEY]);
+    let r = server.request_with("GET", "/health", None, None);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json(), json!({"status": "ok"}));
+
+    let r = server.request("GET", "/v1/models", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["object"], "model");
+    let name = v["data"][0]["id"].as_str().unwrap();
+    assert!(name.contains("gemma-3-270m"), "{v}");
+
+    let body = completion(PROMPT, 2).to_string();
+    for auth in [None, Some("Bearer wrong"), Some(KEY)] {
+        let r = server.request_with("POST", "/v1/completions", Some(body.as_bytes()), auth);
+        let v = assert_error(&r, 401);
+        assert_eq!(v["error"]["code"], "invalid_api_key");
+    }
+    let r = server.request_with("GET", "/v1/models", None, Some("Bearer nope"));
+    assert_error(&r, 401);
+    let r = server.request("POST", "/v1/completions", Some(body.as_bytes()));
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[test]
+fn a_greedy_completion_equals_tessera_generate() {
+    let server = Server::start(&[]);
+    let r = server.post("/v1/completions", &completion(PROMPT, 8));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("application/json"));
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert!(v["created"].is_u64());
+    assert!(v["model"].is_string());
+    let choice = &v["choices"][0];
+    assert_eq!(choice["index"], 0);
+    let text = choice["text"].as_str().unwrap();
+    check_usage(&v["usage"]);
+    let completion_tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
+    match choice["finish_reason"].as_str().unwrap() {
+        "length" => assert_eq!(completion_tokens, 8),
+        "stop" => assert!(completion_tokens < 8),
+        other => panic!("finish_reason {other}"),
+    }
+
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args([
+            "generate",
+            "--model",
+            model().to_str().unwrap(),
+            "--prompt",
+            PROMPT,
+        ])
+        .args(["--temperature", "0", "--max-tokens", "8"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{text}\n"));
+
+    // A stop string from inside that text: cut before it, finish_reason "stop".
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 4, "{text:?}");
+    let stop: String = chars[2..4].iter().collect();
+    let expected = &text[..text.find(&stop).unwrap()];
+    let mut body = completion(PROMPT, 8);
+    body["stop"] = json!(["\u{1}never", stop]);
+    let v = server.post("/v1/completions", &body).json();
+    assert_eq!(
+        v["choices"][0]["text"], expected,
+        "stop {stop:?} in {text:?}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // And streamed: the same text, the stop string never sent.
+    body["stream"] = json!(true);
+    let r = server.post("/v1/completions", &body);
+    let streamed: String = sse_events(r.text())
+        .iter()
+        .map(|e| e["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(streamed, expected);
+}
+
+#[test]
+fn a_streamed_chat_completion_is_framed_as_openai_does() {
+    let server = Server::start(&[]);
+    let mut body = json!({
+        "model": "x",
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "some_unknown_field": {"ignored": true},
+    });
+    let whole = server.post("/v1/chat/completions", &body);
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    let whole = whole.json();
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    check_usage(&whole["usage"]);
+
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let events = sse_events(r.text());
+    assert!(events.len() >= 3, "{events:?}");
+    let id = &events[0]["id"];
+    for e in &events {
+        assert_eq!(e["object"], "chat.completion.chunk");
+        assert_eq!(&e["id"], id);
+    }
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+    let (usage, chunks) = events.split_last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    check_usage(&usage["usage"]);
+    assert_eq!(usage["usage"], whole["usage"]);
+    let (last, middle) = chunks.split_last().unwrap();
+    assert_eq!(
+        last["choices"][0]["finish_reason"],
+        whole["choices"][0]["finish_reason"]
+    );
+    for e in middle {
+        assert!(e["choices"][0]["finish_reason"].is_null());
+        assert!(e["usage"].is_null());
+    }
+    let content: String = middle
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, whole["choices"][0]["message"]["content"]);
+
+    // Without include_usage: no usage chunk.
+    body["stream_options"] = json!({"include_usage": false});
+    let events = sse_events(server.post("/v1/chat/completions", &body).text());
+    assert!(events
+        .iter()
+        .all(|e| e["choices"].as_array().unwrap().len() == 1));
+    assert!(events.iter().all(|e| e.get("usage").is_none()));
+}
+
+#[test]
+fn four_concurrent_requests_are_all_answered() {
+    let server = Server::start(&["--max-batch", "4"]);
+    let prompts = [
+        "Once upon a time",
+        "The quick brown fox",
+        "In 1492, Columbus",
+        "def fibonacci(n):",
+    ];
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| server.post("/v1/completions", &completion(p, 6)).json())
+        .collect();
+    let together: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let server = &server;
+                s.spawn(move || server.post("/v1/completions", &completion(p, 6)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                let r = h.join().unwrap();
+                assert_eq!(r.status, 200, "{}", r.text());
+                r.json()
+            })
+            .collect()
+    });
+    for (a, t) in alone.iter().zip(&together) {
+        check_usage(&t["usage"]);
+        assert!(t["usage"]["completion_tokens"].as_u64().unwrap() <= 6);
+        assert_eq!(a["usage"]["prompt_tokens"], t["usage"]["prompt_tokens"]);
+        assert!(t["choices"][0]["text"].is_string());
+    }
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    let server = Server::start(&[]);
+    for body in [
+        &b"{\"prompt\": "[..],
+        b"not json",
+        b"{\"prompt\": 5}",
+        b"{\"prompt\": \"hi\", \"max_tokens\": -1}",
+        b"{\"prompt\": \"hi\", \"temperature\": \"hot\"}",
+        b"{\"max_tokens\": 3}",
+        b"[]",
+    ] {
+        let r = server.request("POST", "/v1/completions", Some(body));
+        let v = assert_error(&r, 400);
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    let r = server.request("POST", "/v1/chat/completions", Some(b"{\"messages\": {}}"));
+    assert_error(&r, 400);
+    let r = server.post("/v1/chat/completions", &json!({"messages": []}));
+    assert_error(&r, 400);
+
+    // Past the context: 400 naming both counts.
+    let r = server.post("/v1/completions", &completion(PROMPT, 1_000_000));
+    let v = assert_error(&r, 400);
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("1000000"), "{message}");
+    let prompt_tokens = server
+        .post("/v1/completions", &completion(PROMPT, 1))
+        .json()["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        message.contains(&format!("({prompt_tokens} in the")),
+        "{message}"
+    );
+    let r = server.post("/v1/completions", &completion(&"word ".repeat(40_000), 4));
+    assert_error(&r, 400);
+
+    let r = server.request("GET", "/nope", None);
+    assert_error(&r, 404);
+
+    // Still serving.
+    assert_eq!(server.request("GET", "/health", None).status, 200);
+    let r = server.post("/v1/completions", &completion(PROMPT, 3));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.json()["usage"]["completion_tokens"].as_u64().unwrap() <= 3);
+}
+
+#[test]
+fn a_full_queue_answers_429() {
+    // One row and one waiting place: of six requests sent at once, one runs, one waits,
+    // and the others are refused with an OpenAI-shaped 429.
+    let server = Server::start(&["--max-batch", "1", "--max-queue", "1"]);
+    let responses: Vec<Response> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| {
+                let server = &server;
+                s.spawn(move || server.post("/v1/completions", &completion(PROMPT, 16)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let statuses: Vec<u16> = responses.iter().map(|r| r.status).collect();
+    assert!(statuses.contains(&200), "{statuses:?}");
+    assert!(statuses.contains(&429), "{statuses:?}");
+    for r in &responses {
+        match r.status {
+            200 => check_usage(&r.json()["usage"]),
+            _ => {
+                let v = assert_error(r, 429);
+                assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+            }
+        }
+    }
+    // And it serves again once the queue drains.
+    let r = server.post("/v1/completions", &completion(PROMPT, 2));
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_frees_its_row() {
+    // One row: a long stream whose client goes away must be cancelled, or the next request
+    // would wait for all its tokens.
+    let server = Server::start(&["--max-batch", "1"]);
+    let mut body = completion(PROMPT, 20_000);
+    body["stream"] = json!(true);
+    let body = body.to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(s);
+    let t = std::time::Instant::now();
+    let r = server.post("/v1/completions", &completion(PROMPT, 2));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        t.elapsed() < Duration::from_secs(60),
+        "waited {:?}",
+        t.elapsed()
+    );
+}
+
+/// With `--prefix-cache`, a request sharing a long prefix with a finished one reads only the
+/// rest, and says so in `usage.prompt_tokens_details.cached_tokens` (that the tokens equal a
+/// run without reuse is tested in tessera-engine's continuous_batching.rs).
+#[test]
+fn a_shared_prefix_is_reported_as_cached() {
+    let server = Server::start(&["--prefix-cache", "64"]);
+    let system = "You are a careful assistant who answers in one short sentence. ".repeat(12);
+    let first = server.post(
+        "/v1/completions",
+        &completion(&format!("{system}What is rain?"), 4),
+    );
+    assert_eq!(first.status, 200, "{}", first.text());
+    let u = &first.json()["usage"];
+    assert_eq!(
+        u["prompt_tokens_details"]["cached_tokens"], 0,
+        "nothing stored yet"
+    );
+    let second = server.post(
+        "/v1/completions",
+        &completion(&format!("{system}What is snow?"), 4),
+    );
+    assert_eq!(second.status, 200, "{}", second.text());
+    let v = second.json();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached > 100 && cached < prompt,
+        "{cached} of {prompt} prompt tokens cached"
+    );
+    assert!(v["choices"][0]["text"].is_string());
+}
