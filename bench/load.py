@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""A load run against any OpenAI-compatible server, with the official `openai` client under
+asyncio: N concurrent streaming completions of fresh prompts (distinct text per request, so
+no server can reuse another's prefix), greedy, fixed output length. Prints output tokens/s,
+time to first token and inter-token latency (p50/p99) as one JSON line per concurrency.
+
+    python3 bench/load.py --base-url http://127.0.0.1:8080/v1 --corpus TEXT --concurrency 1 4 16 \
+        --requests 16 --prompt-words 300 --max-tokens 64
+"""
+import argparse, asyncio, json, random, statistics, time
+
+from openai import AsyncOpenAI
+
+
+def pct(xs, p):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+async def one(client, model, prompt, max_tokens):
+    t0 = time.perf_counter()
+    first, stamps, n = None, [], 0
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].text:
+            now = time.perf_counter()
+            if first is None:
+                first = now - t0
+            stamps.append(now)
+    tokens = usage.completion_tokens if usage else len(stamps)
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    return first, itl, tokens, time.perf_counter() - t0
+
+
+async def run(args, concurrency, words):
+    client = AsyncOpenAI(base_url=args.base_url, api_key="none", timeout=3600)
+    rng = random.Random(concurrency)
+    prompts = []
+    for _ in range(args.requests):
+        at = rng.randrange(0, len(words) - args.prompt_words)
+        prompts.append(" ".join(words[at:at + args.prompt_words]))
+    sem = asyncio.Semaphore(concurrency)
+
+    async def guarded(p):
+        async with sem:
+            return await one(client, args.model, p, args.max_tokens)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(guarded(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    ttft = [r[0] for r in results if r[0] is not None]
+    itl = [x for r in results for x in r[1]]
+    out = sum(r[2] for r in results)
+    return {"concurrency": concurrency, "requests": len(results), "output_tok_s": out / wall,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "wall_s": wall}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-words", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    words = open(args.corpus, encoding="utf-8").read().split()
+    for c in args.concurrency:
+        r = asyncio.run(run(args, c, words))
+        r["label"] = args.label
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
