@@ -9,8 +9,8 @@
 //! value params]`, each `(rows, heads, capacity, …)`.
 
 use super::{
-    check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes,
-    PlanesState, RowSlots,
+    check_span, check_state, copy_slots, from_bytes, same_kind, to_bytes, ChunkGeometry,
+    PlaneGeometry, Planes, PlanesState, RowSlots,
 };
 use crate::codec::affine::{dequantize_group, quantize_group, GroupParams};
 use crate::read::affine_tiles;
@@ -232,20 +232,6 @@ impl AffinePlanes {
     }
 }
 
-impl AffinePlanes {
-    fn check_rows(&self, rows: &Range<usize>, slot: usize, n: usize) -> Result<(), KvError> {
-        if rows.end > self.rows || slot + n > self.capacity {
-            return Err(KvError::Rows(format!(
-                "affine planes of {} rows × {} slots addressed at rows {rows:?}, slots {slot}..{}",
-                self.rows,
-                self.capacity,
-                slot + n
-            )));
-        }
-        Ok(())
-    }
-}
-
 impl Planes for AffinePlanes {
     fn codec(&self) -> Codec {
         Codec::Affine {
@@ -294,7 +280,7 @@ impl Planes for AffinePlanes {
         v: &Tensor,
     ) -> Result<(), KvError> {
         let n = k.dims4()?.2;
-        self.check_rows(&rows, slot, n)?;
+        check_span(self, &rows, slot, n)?;
         let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
         let (dk, dv) = (self.keys.dim, self.values.dim);
         let first = rows.start * self.heads;
@@ -329,7 +315,7 @@ impl Planes for AffinePlanes {
         slot: usize,
         len: usize,
     ) -> Result<(Tensor, Tensor), KvError> {
-        self.check_rows(&rows, slot, len)?;
+        check_span(self, &rows, slot, len)?;
         let first = rows.start * self.heads;
         let blocks = rows.len() * self.heads;
         let plane = |p: &Plane| -> Result<Tensor, KvError> {
@@ -366,17 +352,15 @@ impl Planes for AffinePlanes {
         len: usize,
     ) -> Result<(), KvError> {
         let src = same_kind::<AffinePlanes>(src, self)?;
-        src.check_rows(&(src_row..src_row + 1), src_slot, len)?;
-        self.check_rows(&(dst_row..dst_row + 1), dst_slot, len)?;
+        check_span(src, &(src_row..src_row + 1), src_slot, len)?;
+        check_span(self, &(dst_row..dst_row + 1), dst_slot, len)?;
         for (dst, from) in [(&mut self.keys, &src.keys), (&mut self.values, &src.values)] {
             let (w, p) = (dst.words, dst.groups * 2);
             for head in 0..self.heads {
                 let d0 = (dst_row * self.heads + head) * self.capacity + dst_slot;
                 let s0 = (src_row * self.heads + head) * src.capacity + src_slot;
-                dst.codes[d0 * w..(d0 + len) * w]
-                    .copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
-                dst.params[d0 * p..(d0 + len) * p]
-                    .copy_from_slice(&from.params[s0 * p..(s0 + len) * p]);
+                copy_slots(&mut dst.codes, &from.codes, w, s0, d0, len);
+                copy_slots(&mut dst.params, &from.params, p, s0, d0, len);
             }
         }
         Ok(())

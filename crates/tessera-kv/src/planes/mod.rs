@@ -236,6 +236,37 @@ pub(crate) fn same_kind<'a, T: Planes>(
         })
 }
 
+/// Checks that rows `rows`, slots `slot .. slot + n` lie inside `planes`.
+pub(crate) fn check_span(
+    planes: &dyn Planes,
+    rows: &Range<usize>,
+    slot: usize,
+    n: usize,
+) -> Result<(), KvError> {
+    let (have, capacity) = (planes.geometry().rows, planes.capacity());
+    if rows.end > have || slot + n > capacity {
+        return Err(KvError::Rows(format!(
+            "{} planes of {have} rows × {capacity} slots addressed at rows {rows:?}, slots {slot}..{}",
+            planes.codec(),
+            slot + n
+        )));
+    }
+    Ok(())
+}
+
+/// Copies `len` slots of `per_slot` elements from slot `from` of `src` to slot `to` of `dst`.
+pub(crate) fn copy_slots<T: Copy>(
+    dst: &mut [T],
+    src: &[T],
+    per_slot: usize,
+    from: usize,
+    to: usize,
+    len: usize,
+) {
+    dst[to * per_slot..(to + len) * per_slot]
+        .copy_from_slice(&src[from * per_slot..(from + len) * per_slot]);
+}
+
 /// Checks a state against the planes it is restored into.
 pub(crate) fn check_state(
     planes: &dyn Planes,
@@ -264,7 +295,7 @@ pub(crate) fn to_bytes<T: bytemuck::Pod>(x: &[T]) -> Vec<u8> {
 }
 
 pub(crate) fn from_bytes<T: bytemuck::Pod>(b: &[u8], what: &str) -> Result<Vec<T>, KvError> {
-    if b.len() % std::mem::size_of::<T>() != 0 {
+    if !b.len().is_multiple_of(std::mem::size_of::<T>()) {
         return Err(KvError::BadState(format!("{what}: {} bytes", b.len())));
     }
     Ok(bytemuck::pod_collect_to_vec(b))

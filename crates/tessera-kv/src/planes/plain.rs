@@ -4,7 +4,7 @@
 //! State buffers: `[keys, values]`, each the raw elements `(rows, heads, capacity, dim)`.
 
 use super::{
-    check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes,
+    check_span, check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes,
     PlanesState, RowSlots,
 };
 use crate::read::decode::{self, DecodeShape, Element};
@@ -155,18 +155,6 @@ impl PlainPlanes {
     fn blocks(&self) -> usize {
         self.geometry.rows * self.geometry.heads
     }
-
-    fn check_rows(&self, rows: &Range<usize>, slot: usize, n: usize) -> Result<(), KvError> {
-        if rows.end > self.geometry.rows || slot + n > self.capacity {
-            return Err(KvError::Rows(format!(
-                "plain planes of {} rows × {} slots addressed at rows {rows:?}, slots {slot}..{}",
-                self.geometry.rows,
-                self.capacity,
-                slot + n
-            )));
-        }
-        Ok(())
-    }
 }
 
 impl Planes for PlainPlanes {
@@ -213,7 +201,7 @@ impl Planes for PlainPlanes {
         v: &Tensor,
     ) -> Result<(), KvError> {
         let n = k.dims4()?.2;
-        self.check_rows(&rows, slot, n)?;
+        check_span(self, &rows, slot, n)?;
         let (h, cap) = (self.geometry.heads, self.capacity);
         for (plane, x, dim) in [
             (&mut self.keys, k, self.geometry.head_dim),
@@ -234,7 +222,7 @@ impl Planes for PlainPlanes {
         slot: usize,
         len: usize,
     ) -> Result<(Tensor, Tensor), KvError> {
-        self.check_rows(&rows, slot, len)?;
+        check_span(self, &rows, slot, len)?;
         let (h, cap) = (self.geometry.heads, self.capacity);
         let mut out = Vec::with_capacity(2);
         for (plane, dim) in [
@@ -267,8 +255,8 @@ impl Planes for PlainPlanes {
         len: usize,
     ) -> Result<(), KvError> {
         let src = same_kind::<PlainPlanes>(src, self)?;
-        src.check_rows(&(src_row..src_row + 1), src_slot, len)?;
-        self.check_rows(&(dst_row..dst_row + 1), dst_slot, len)?;
+        check_span(src, &(src_row..src_row + 1), src_slot, len)?;
+        check_span(self, &(dst_row..dst_row + 1), dst_slot, len)?;
         let h = self.geometry.heads;
         for (dst, from, dim) in [
             (&mut self.keys, &src.keys, self.geometry.head_dim),

@@ -5,8 +5,8 @@
 //! quantizing on append and converting bf16 storage later store the same codes.
 
 use super::{
-    check_state, from_bytes, same_kind, to_bytes, ChunkGeometry, PlaneGeometry, Planes,
-    PlanesState, RowSlots,
+    check_span, check_state, copy_slots, from_bytes, same_kind, to_bytes, ChunkGeometry,
+    PlaneGeometry, Planes, PlanesState, RowSlots,
 };
 use crate::codec::affine::{get_code, put_code};
 use crate::codec::prep::ChannelPrep;
@@ -259,18 +259,6 @@ impl TurboPlanes {
         Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
     }
 
-    fn check_rows(&self, rows: &Range<usize>, slot: usize, n: usize) -> Result<(), KvError> {
-        if rows.end > self.rows || slot + n > self.capacity {
-            return Err(KvError::Rows(format!(
-                "turbo planes of {} rows × {} slots addressed at rows {rows:?}, slots {slot}..{}",
-                self.rows,
-                self.capacity,
-                slot + n
-            )));
-        }
-        Ok(())
-    }
-
     /// The key preparation tables an adoption writes into: sized for every row.
     fn prep_tables(&mut self, prep: TurboPrep) {
         if self.key_prep == ChannelPrep::default() {
@@ -348,7 +336,7 @@ impl Planes for TurboPlanes {
         v: &Tensor,
     ) -> Result<(), KvError> {
         let n = k.dims4()?.2;
-        self.check_rows(&rows, slot, n)?;
+        check_span(self, &rows, slot, n)?;
         let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
         let (dk, dv) = (self.keys.dim, self.values.dim);
         let mut pk = vec![0f32; dk];
@@ -371,7 +359,7 @@ impl Planes for TurboPlanes {
         slot: usize,
         len: usize,
     ) -> Result<(Tensor, Tensor), KvError> {
-        self.check_rows(&rows, slot, len)?;
+        check_span(self, &rows, slot, len)?;
         let first = rows.start * self.heads;
         let blocks = rows.len() * self.heads;
         let plane = |p: &TurboPlane, prep: Option<&ChannelPrep>| -> Result<Tensor, KvError> {
@@ -428,16 +416,15 @@ impl Planes for TurboPlanes {
         len: usize,
     ) -> Result<(), KvError> {
         let src = same_kind::<TurboPlanes>(src, self)?;
-        src.check_rows(&(src_row..src_row + 1), src_slot, len)?;
-        self.check_rows(&(dst_row..dst_row + 1), dst_slot, len)?;
+        check_span(src, &(src_row..src_row + 1), src_slot, len)?;
+        check_span(self, &(dst_row..dst_row + 1), dst_slot, len)?;
         for (dst, from) in [(&mut self.keys, &src.keys), (&mut self.values, &src.values)] {
             let w = dst.words;
             for head in 0..self.heads {
                 let d0 = (dst_row * self.heads + head) * self.capacity + dst_slot;
                 let s0 = (src_row * self.heads + head) * src.capacity + src_slot;
-                dst.codes[d0 * w..(d0 + len) * w]
-                    .copy_from_slice(&from.codes[s0 * w..(s0 + len) * w]);
-                dst.norms[d0..d0 + len].copy_from_slice(&from.norms[s0..s0 + len]);
+                copy_slots(&mut dst.codes, &from.codes, w, s0, d0, len);
+                copy_slots(&mut dst.norms, &from.norms, 1, s0, d0, len);
             }
         }
         Ok(())
