@@ -148,18 +148,7 @@ pub fn scheme_of(kv: &KvArgs) -> Result<KvScheme> {
 }
 
 fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
-    if args.temperature < 0.0 || !args.temperature.is_finite() {
-        bail!("--temperature must be a finite number ≥ 0");
-    }
-    for (name, v) in [("--top-p", args.top_p), ("--min-p", args.min_p)] {
-        if !(0.0..=1.0).contains(&v) {
-            bail!("{name} must be between 0 and 1");
-        }
-    }
-    if !(args.repetition_penalty > 0.0 && args.repetition_penalty.is_finite()) {
-        bail!("--repetition-penalty must be a finite number > 0");
-    }
-    Ok(SamplerConfig {
+    let config = SamplerConfig {
         temperature: args.temperature,
         // llama.cpp's conventions: top-k 0, top-p 1 and min-p 0 are off.
         top_k: (args.top_k > 0).then_some(args.top_k),
@@ -168,7 +157,13 @@ fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
         repetition_penalty: args.repetition_penalty,
         seed: args.seed,
         ..Default::default()
-    })
+    };
+    // The engine names the setting as OpenAI spells it (`top_p`); the flag is `--top-p`.
+    config.validate().map_err(|e| match e {
+        tessera_engine::EngineError::Invalid(m) => anyhow::anyhow!("--{}", m.replace('_', "-")),
+        e => e.into(),
+    })?;
+    Ok(config)
 }
 
 /// The vocabulary's end-of-sequence and end-of-turn ids.

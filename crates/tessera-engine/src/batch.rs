@@ -29,16 +29,62 @@ pub struct GenerationRequest {
     pub sampler: SamplerConfig,
     /// Tokens that end the generation (not emitted).
     pub stop_tokens: Vec<u32>,
+    /// `Some(n)`: every token's event carries its log-probability under the model and the
+    /// `n` (at most [`MAX_TOP_LOGPROBS`]) most likely tokens at that step.
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives a token's [`TokenLogprobs`] lists (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A sampled token's log-probability under the model (before sampling filters and
+/// penalties) and the most likely tokens at its step, best first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    fn new(logits: &[f32], token: u32, top: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let log_total = max
+            + logits
+                .iter()
+                .map(|&l| ((l - max) as f64).exp())
+                .sum::<f64>()
+                .ln() as f32;
+        let logprob = |id: u32| {
+            logits
+                .get(id as usize)
+                .map_or(f32::NEG_INFINITY, |l| l - log_total)
+        };
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let top = top.min(ids.len());
+        if top > 0 && top < ids.len() {
+            ids.select_nth_unstable_by(top - 1, |&a, &b| {
+                logits[b as usize].total_cmp(&logits[a as usize])
+            });
+        }
+        ids.truncate(top);
+        ids.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        TokenLogprobs {
+            logprob: logprob(token),
+            top: ids.into_iter().map(|id| (id, logprob(id))).collect(),
+        }
+    }
 }
 
 pub type RequestId = u64;
 
 /// What a step produced for a request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Token {
         id: RequestId,
         token: u32,
+        /// Where the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     Finished {
         id: RequestId,
@@ -83,6 +129,7 @@ struct Row {
     produced: usize,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
+    logprobs: Option<usize>,
     /// The token fed at the next step.
     next: u32,
     kv_bytes: usize,
@@ -217,6 +264,12 @@ impl<'m> Batch<'m> {
         if request.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
+        request.sampler.validate()?;
+        if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::Invalid(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, not {n}"
+            )));
+        }
         let total = request.prompt.len().saturating_add(request.max_tokens);
         if total > self.model.context_length() {
             return Err(EngineError::PromptTooLong {
@@ -347,6 +400,7 @@ impl<'m> Batch<'m> {
             max_tokens,
             sampler,
             stop_tokens,
+            logprobs,
         } = p.request;
         let mut row = Row {
             id: p.id,
@@ -357,6 +411,7 @@ impl<'m> Batch<'m> {
             produced: 0,
             max_tokens,
             stop_tokens,
+            logprobs,
             next: 0,
             kv_bytes: p.kv_bytes,
         };
@@ -455,7 +510,14 @@ impl Row {
         if self.stop_tokens.contains(&token) {
             return Some(StopReason::EndToken);
         }
-        events.push(Event::Token { id: self.id, token });
+        let logprobs = self
+            .logprobs
+            .map(|top| TokenLogprobs::new(logits, token, top));
+        events.push(Event::Token {
+            id: self.id,
+            token,
+            logprobs,
+        });
         self.produced += 1;
         self.history.push(token);
         self.next = token;
@@ -497,13 +559,14 @@ pub fn generate_batch_greedy(
                 max_tokens,
                 sampler: SamplerConfig::default(),
                 stop_tokens: stop_tokens.to_vec(),
+                logprobs: None,
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
     let mut out = vec![Vec::new(); prompts.len()];
     while !batch.is_idle() {
         for event in batch.step()? {
-            if let Event::Token { id, token } = event {
+            if let Event::Token { id, token, .. } = event {
                 if let Some(i) = ids.iter().position(|&r| r == id) {
                     out[i].push(token);
                 }
@@ -511,4 +574,29 @@ pub fn generate_batch_greedy(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenLogprobs;
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_top_is_sorted() {
+        let logits = [1.0f32, 3.0, -2.0, 2.5, 3.0];
+        // From the definition, in f64.
+        let total: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let lp = |i: usize| (logits[i] as f64).exp().ln() - total.ln();
+        let got = TokenLogprobs::new(&logits, 3, 3);
+        assert!((got.logprob as f64 - lp(3)).abs() < 1e-6);
+        let ids: Vec<u32> = got.top.iter().map(|t| t.0).collect();
+        // Ties (ids 1 and 4) in either order, then id 3.
+        assert!(ids == [1, 4, 3] || ids == [4, 1, 3], "{ids:?}");
+        for (id, l) in &got.top {
+            assert!((*l as f64 - lp(*id as usize)).abs() < 1e-6);
+        }
+        let probs: f64 = (0..logits.len()).map(|i| lp(i).exp()).sum();
+        assert!((probs - 1.0).abs() < 1e-9);
+        assert!(TokenLogprobs::new(&logits, 0, 0).top.is_empty());
+        assert_eq!(TokenLogprobs::new(&logits, 0, 99).top.len(), logits.len());
+    }
 }

@@ -20,7 +20,10 @@ mod sampler;
 mod session;
 pub mod store;
 
-pub use batch::{generate_batch_greedy, Batch, BatchLimits, Event, GenerationRequest, RequestId};
+pub use batch::{
+    generate_batch_greedy, Batch, BatchLimits, Event, GenerationRequest, RequestId, TokenLogprobs,
+    MAX_TOP_LOGPROBS,
+};
 pub use error::EngineError;
 pub use generate::{Generation, StopReason, TextStream};
 pub use prefix::PrefixCache;

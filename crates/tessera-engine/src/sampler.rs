@@ -1,5 +1,9 @@
-//! Token sampling: greedy, or temperature with top-k, top-p and min-p filters, and a
-//! repetition penalty (as in llama.cpp's and mlx-lm's samplers). Seeded and reproducible.
+//! Token sampling: greedy, or temperature with top-k, top-p and min-p filters, a
+//! repetition penalty (as in llama.cpp's and mlx-lm's samplers) and OpenAI's presence and
+//! frequency penalties. Seeded and reproducible.
+
+use crate::EngineError;
+use std::collections::HashMap;
 
 /// Sampling settings. `temperature == 0` is greedy.
 #[derive(Debug, Clone)]
@@ -12,7 +16,48 @@ pub struct SamplerConfig {
     pub repetition_penalty: f32,
     /// How many recent tokens the repetition penalty looks at.
     pub repetition_window: usize,
+    /// Subtracted from the logit of every token this sampler has already picked (OpenAI's
+    /// `presence_penalty`, -2 to 2; 0 is off).
+    pub presence_penalty: f32,
+    /// Subtracted once per earlier pick of the token (OpenAI's `frequency_penalty`).
+    pub frequency_penalty: f32,
     pub seed: u64,
+}
+
+impl SamplerConfig {
+    /// Checks every setting; the error names the setting as the CLI and OpenAI's API
+    /// spell it (`top_p`, …), so both front ends report the same thing.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let bad = |what: &str| Err(EngineError::Invalid(what.to_string()));
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature must be a finite number >= 0");
+        }
+        if self.top_k == Some(0) {
+            return bad("top_k must be at least 1 when set");
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return bad("top_p must be in (0, 1]");
+            }
+        }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return bad("min_p must be in [0, 1]");
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad("repetition_penalty must be a finite number > 0");
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(EngineError::Invalid(format!("{name} must be in [-2, 2]")));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for SamplerConfig {
@@ -24,6 +69,8 @@ impl Default for SamplerConfig {
             min_p: None,
             repetition_penalty: 1.0,
             repetition_window: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -32,12 +79,18 @@ impl Default for SamplerConfig {
 pub struct Sampler {
     config: SamplerConfig,
     state: u64,
+    /// How often each token was picked (for the presence and frequency penalties).
+    picked: HashMap<u32, u32>,
 }
 
 impl Sampler {
     pub fn new(config: SamplerConfig) -> Self {
         let state = config.seed ^ 0x9E37_79B9_7F4A_7C15;
-        Sampler { config, state }
+        Sampler {
+            config,
+            state,
+            picked: HashMap::new(),
+        }
     }
 
     /// SplitMix64: small, fast, and good enough for sampling.
@@ -52,8 +105,21 @@ impl Sampler {
 
     /// Picks the next token from `logits`, given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let token = self.pick(logits, history);
+        if self.config.presence_penalty != 0.0 || self.config.frequency_penalty != 0.0 {
+            *self.picked.entry(token).or_default() += 1;
+        }
+        token
+    }
+
+    fn pick(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let c = &self.config;
         let mut logits = logits.to_vec();
+        for (&id, &count) in &self.picked {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l -= c.presence_penalty + c.frequency_penalty * count as f32;
+            }
+        }
         if c.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(c.repetition_window);
             let mut seen: Vec<u32> = history[start..].to_vec();
@@ -171,6 +237,97 @@ mod tests {
             a.iter().any(|&t| t != a[0]),
             "temperature 1 should not always pick one token"
         );
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_earlier_picks() {
+        // Greedy over fixed logits: without penalties token 0 forever; a frequency penalty
+        // of 0.6 against a lead of 1.0 makes the sampler alternate once token 0 was picked
+        // twice (2 × 0.6 > 1.0), a presence penalty of 1.5 after one pick.
+        let logits = [3.0, 2.0, -1.0];
+        let run = |cfg: SamplerConfig| {
+            let mut s = Sampler::new(cfg);
+            (0..6).map(|_| s.sample(&logits, &[])).collect::<Vec<u32>>()
+        };
+        assert_eq!(run(SamplerConfig::default()), vec![0; 6]);
+        let freq = SamplerConfig {
+            frequency_penalty: 0.6,
+            ..Default::default()
+        };
+        assert_eq!(run(freq), vec![0, 0, 1, 0, 1, 0]);
+        let presence = SamplerConfig {
+            presence_penalty: 1.5,
+            ..Default::default()
+        };
+        assert_eq!(run(presence), vec![0, 1, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn validation_names_the_setting() {
+        let ok = SamplerConfig::default();
+        assert!(ok.validate().is_ok());
+        let cases = [
+            (
+                SamplerConfig {
+                    temperature: -1.0,
+                    ..ok.clone()
+                },
+                "temperature",
+            ),
+            (
+                SamplerConfig {
+                    temperature: f32::NAN,
+                    ..ok.clone()
+                },
+                "temperature",
+            ),
+            (
+                SamplerConfig {
+                    top_p: Some(0.0),
+                    ..ok.clone()
+                },
+                "top_p",
+            ),
+            (
+                SamplerConfig {
+                    min_p: Some(1.5),
+                    ..ok.clone()
+                },
+                "min_p",
+            ),
+            (
+                SamplerConfig {
+                    top_k: Some(0),
+                    ..ok.clone()
+                },
+                "top_k",
+            ),
+            (
+                SamplerConfig {
+                    repetition_penalty: 0.0,
+                    ..ok.clone()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplerConfig {
+                    presence_penalty: 2.5,
+                    ..ok.clone()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplerConfig {
+                    frequency_penalty: -3.0,
+                    ..ok.clone()
+                },
+                "frequency_penalty",
+            ),
+        ];
+        for (cfg, name) in cases {
+            let err = cfg.validate().expect_err(name).to_string();
+            assert!(err.contains(name), "{err}");
+        }
     }
 
     #[test]

@@ -82,7 +82,7 @@ fn batched(
         }
         for event in batch.step().unwrap() {
             match event {
-                Event::Token { id, token } => tokens.entry(id).or_default().push(token),
+                Event::Token { id, token, .. } => tokens.entry(id).or_default().push(token),
                 Event::Finished { id, .. } => {
                     assert!(finished.insert(id, event).is_none(), "finished twice");
                 }
@@ -128,6 +128,7 @@ fn requests_joining_and_leaving_equal_each_run_alone() {
                     SamplerConfig::default()
                 },
                 stop_tokens: vec![],
+                logprobs: None,
             })
             .collect();
         let limits = BatchLimits {
@@ -176,6 +177,7 @@ fn a_cancelled_request_leaves_and_the_others_go_on() {
             max_tokens: 10,
             sampler: SamplerConfig::default(),
             stop_tokens: vec![],
+            logprobs: None,
         })
         .collect();
     // Request 1 is cancelled once all three decode together.
@@ -227,6 +229,7 @@ fn admission_limits_queue_context_and_kv_budget() {
         max_tokens,
         sampler: SamplerConfig::default(),
         stop_tokens: vec![],
+        logprobs: None,
     };
     // The queue: the third waiting request is refused, nothing else changes.
     let limits = BatchLimits {
@@ -302,7 +305,7 @@ fn serve_one(batch: &mut Batch, request: GenerationRequest) -> (Vec<u32>, Event)
     while !batch.is_idle() {
         for event in batch.step().unwrap() {
             match event {
-                Event::Token { id: i, token } if i == id => tokens.push(token),
+                Event::Token { id: i, token, .. } if i == id => tokens.push(token),
                 Event::Finished { id: i, .. } if i == id => finished = Some(event),
                 _ => {}
             }
@@ -334,6 +337,7 @@ fn prefix_reuse_reads_only_the_new_suffix() {
         max_tokens,
         sampler: SamplerConfig::default(),
         stop_tokens: vec![],
+        logprobs: None,
     };
     let store = || {
         Batch::new(&model, &scheme, CHUNK, BatchLimits::default())

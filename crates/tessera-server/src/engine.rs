@@ -248,6 +248,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
                 max_tokens,
                 sampler: job.sampler,
                 stop_tokens: stops,
+                logprobs: None,
             };
             match batch.add(request) {
                 Ok(id) => {
@@ -307,7 +308,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
         };
         for event in events {
             match event {
-                Event::Token { id, token } => {
+                Event::Token { id, token, .. } => {
                     let Some(l) = live.get_mut(&id) else { continue };
                     l.tokens += 1;
                     let piece = match l.stream.push(&tokenizer, token) {
