@@ -556,3 +556,47 @@ fn a_shared_prefix_is_reported_as_cached() {
     );
     assert!(v["choices"][0]["text"].is_string());
 }
+
+/// SIGTERM: the listener closes, a stream in flight still ends with `[DONE]`, and the
+/// process exits 0.
+#[test]
+fn sigterm_lets_the_stream_in_flight_finish_then_exits_0() {
+    let mut server = Server::start(&[]);
+    let mut body = completion(PROMPT, 48);
+    body["stream"] = json!(true);
+    let body = body.to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let pid = server.child.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    s.read_to_end(&mut seen).expect("the rest of the stream");
+    let r = Response::parse(&seen);
+    let events = sse_events(r.text());
+    let last = &events[events.len() - 1]["choices"][0];
+    assert!(last["finish_reason"].is_string(), "{events:?}");
+    let t = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(t.elapsed() < Duration::from_secs(40), "still running");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    assert!(TcpStream::connect(("127.0.0.1", server.port)).is_err());
+}

@@ -1,58 +1,86 @@
 //! The engine thread: the only thread that touches the model, the tokenizer and the
-//! [`Batch`]. Handlers send it a [`Submit`]; it tokenizes, validates and queues the request,
-//! then loops — take new submissions (blocking only when there is nothing to step), cancel
-//! requests whose client has gone, `step()`, and forward each request's text to its reply
-//! channel as it becomes printable (stop strings held back until they cannot match).
+//! [`Batch`]. Handlers send it a [`Submit`] (one or more prompts, `n` choices each); it
+//! tokenizes, validates and queues every choice (all or none), then loops — take new
+//! submissions (blocking only when there is nothing to step), cancel requests whose client
+//! has gone, `step()`, and forward each choice's text (and logprobs, where asked) to its
+//! reply channel as it becomes printable (stop strings held back until they cannot match).
+//! It publishes what it observed to [`Metrics`] once per loop.
 
-use crate::openai::{ApiError, Finish};
+use crate::metrics::{Gauges, Metrics, Outcome, Tally};
+use crate::openai::{ApiError, Finish, TokenLogprob, TopLogprob};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message};
 use tessera_engine::{
     Batch, BatchLimits, EngineError, Event, GenerationRequest, RequestId, SamplerConfig,
-    StopReason, TextStream,
+    StopReason, TextStream, TokenLogprobs,
 };
 use tessera_kv::KvScheme;
 use tessera_models::{Model, Tokenizer};
 use tokio::sync::mpsc::{self, error::TryRecvError, UnboundedSender};
 
 /// What a request asks for, before tokenization.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Input {
     /// A completion prompt (encoded with the vocabulary's BOS).
     Text(String),
+    /// A completion prompt given as token ids (used as they are).
+    Tokens(Vec<u32>),
     /// A conversation, rendered through the chat template.
     Chat(Vec<Message>),
 }
 
+/// One prompt and the `n` choices to generate for it.
 #[derive(Debug)]
 pub struct Job {
     pub input: Input,
+    /// Choices for this prompt; choice `k` samples with `sampler.seed + k`.
+    pub n: usize,
     /// `None`: up to the end of the context.
     pub max_tokens: Option<usize>,
     pub sampler: SamplerConfig,
     pub stops: Vec<String>,
+    /// `Some(k)`: every token's logprob and the `k` most likely tokens at its step.
+    pub logprobs: Option<usize>,
 }
 
+/// A request: its prompts (choices are numbered prompt by prompt, `n` each, as OpenAI
+/// orders them) and where the engine answers.
 pub struct Submit {
-    pub job: Job,
-    pub reply: UnboundedSender<StreamItem>,
+    pub jobs: Vec<Job>,
+    pub reply: UnboundedSender<Reply>,
+    /// When the request arrived (time to first token counts from here).
+    pub received: Instant,
 }
 
-/// What the engine tells a request's handler, in this order: `Accepted` or `Error`; then
-/// `Text` pieces; then `Done` (or `Error` if the engine failed mid-way).
+/// An item for choice `choice` of a request.
+#[derive(Debug)]
+pub struct Reply {
+    pub choice: usize,
+    pub item: StreamItem,
+}
+
+/// What the engine tells a request's handler, in this order: `Accepted` (every choice
+/// queued) or `Error`; then, per choice, `Text` pieces and `Done` (or `Error` if the engine
+/// failed mid-way).
 #[derive(Debug)]
 pub enum StreamItem {
-    Accepted {
-        prompt_tokens: usize,
+    Accepted,
+    Text {
+        text: String,
+        /// The tokens this text completes (where logprobs were asked for).
+        logprobs: Vec<TokenLogprob>,
     },
-    Text(String),
     Done {
         finish: Finish,
         prompt_tokens: usize,
         completion_tokens: usize,
         /// Prompt tokens a stored prefix gave (`prompt_tokens_details.cached_tokens`).
         cached_tokens: usize,
+        /// Tokens whose logprobs no `Text` carried (their text was held back to the end).
+        logprobs: Vec<TokenLogprob>,
     },
     Error(ApiError),
 }
@@ -74,9 +102,14 @@ pub struct EngineParts {
     pub chat_stop_tokens: Vec<u32>,
 }
 
-/// A request the engine is generating for.
+/// A reply held back until the step's metrics are published, so that a client that has
+/// its answer sees it counted in `/metrics`.
+type Outgoing = (UnboundedSender<Reply>, Reply);
+
+/// A choice the engine is generating for.
 struct Live {
-    reply: UnboundedSender<StreamItem>,
+    reply: UnboundedSender<Reply>,
+    choice: usize,
     stream: TextStream,
     /// All text decoded so far; `text[..sent]` went to the client.
     text: String,
@@ -84,11 +117,38 @@ struct Live {
     stops: Vec<String>,
     prompt_tokens: usize,
     tokens: usize,
+    /// Logprobs of tokens whose text has not been sent yet.
+    pending: Vec<TokenLogprob>,
+    received: Instant,
+    last_token: Option<Instant>,
 }
 
 impl Live {
-    /// Sends what can no longer turn into a stop string; on a stop string, sends the text
-    /// before it and returns true.
+    fn new(reply: UnboundedSender<Reply>, choice: usize, stops: Vec<String>) -> Live {
+        Live {
+            reply,
+            choice,
+            stream: TextStream::new(),
+            text: String::new(),
+            sent: 0,
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            prompt_tokens: 0,
+            tokens: 0,
+            pending: Vec::new(),
+            received: Instant::now(),
+            last_token: None,
+        }
+    }
+
+    fn send(&self, item: StreamItem) {
+        let _ = self.reply.send(Reply {
+            choice: self.choice,
+            item,
+        });
+    }
+
+    /// Sends what can no longer turn into a stop string (with the logprobs of the tokens
+    /// so far); on a stop string, sends the text before it and returns true.
     fn forward(&mut self, piece: &str, at_end: bool) -> bool {
         self.text.push_str(piece);
         let search_from = self
@@ -110,21 +170,32 @@ impl Live {
             None => (self.text.len() - held_back(&self.text, &self.stops), false),
         };
         if end > self.sent {
-            let _ = self
-                .reply
-                .send(StreamItem::Text(self.text[self.sent..end].to_string()));
+            let text = self.text[self.sent..end].to_string();
+            let logprobs = std::mem::take(&mut self.pending);
+            self.send(StreamItem::Text { text, logprobs });
             self.sent = end;
+        }
+        if stopped {
+            // The tokens that made the stop string are cut with it.
+            self.pending.clear();
         }
         stopped
     }
 
-    fn done(&self, finish: Finish, cached_tokens: usize) {
-        let _ = self.reply.send(StreamItem::Done {
-            finish,
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.tokens,
-            cached_tokens,
-        });
+    /// The choice's `Done`, for the caller to send once the metrics count it.
+    fn done(&mut self, finish: Finish, cached_tokens: usize) -> Outgoing {
+        let logprobs = std::mem::take(&mut self.pending);
+        let reply = Reply {
+            choice: self.choice,
+            item: StreamItem::Done {
+                finish,
+                prompt_tokens: self.prompt_tokens,
+                completion_tokens: self.tokens,
+                cached_tokens,
+                logprobs,
+            },
+        };
+        (self.reply.clone(), reply)
     }
 }
 
@@ -141,19 +212,153 @@ fn held_back(text: &str, stops: &[String]) -> usize {
         .unwrap_or(0)
 }
 
-fn engine_error(e: &EngineError) -> ApiError {
+/// The settings `validate` and `add` name, as `param`.
+const PARAMS: [&str; 9] = [
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_logprobs",
+    "logprobs",
+];
+
+pub fn engine_error(e: &EngineError) -> ApiError {
     match e {
         EngineError::QueueFull { .. } => ApiError::busy(e.to_string()),
+        EngineError::Invalid(m) => {
+            let param = if m.starts_with("token id") {
+                Some("prompt")
+            } else {
+                PARAMS
+                    .iter()
+                    .copied()
+                    .find(|p| m.strip_prefix(p).is_some_and(|rest| rest.starts_with(' ')))
+            };
+            let e = ApiError::invalid(m.clone());
+            match param {
+                Some(p) => e.with_param(p),
+                None => e,
+            }
+        }
         EngineError::PromptTooLong { .. }
         | EngineError::EmptyPrompt
-        | EngineError::Invalid(_)
         | EngineError::ChatTemplate(_) => ApiError::invalid(e.to_string()),
         _ => ApiError::internal(e.to_string()),
     }
 }
 
+/// Each token's own text and bytes, decoded once.
+#[derive(Default)]
+struct TokenTexts(HashMap<u32, (String, Vec<u8>)>);
+
+impl TokenTexts {
+    fn get(&mut self, tokenizer: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+        if self.0.len() > 1 << 16 {
+            self.0.clear();
+        }
+        self.0
+            .entry(id)
+            .or_insert_with(|| token_text(tokenizer, id))
+            .clone()
+    }
+
+    fn logprobs(&mut self, tokenizer: &Tokenizer, id: u32, lp: &TokenLogprobs) -> TokenLogprob {
+        let (token, bytes) = self.get(tokenizer, id);
+        TokenLogprob {
+            token,
+            bytes,
+            logprob: lp.logprob,
+            top: lp
+                .top
+                .iter()
+                .map(|&(id, logprob)| {
+                    let (token, bytes) = self.get(tokenizer, id);
+                    TopLogprob {
+                        token,
+                        bytes,
+                        logprob,
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A token's text as decoding it alone gives (control tokens: their name), and its bytes:
+/// a token that is part of a character (a byte-fallback `<0xE2>`, or a byte-level piece)
+/// decodes to U+FFFD alone, so its bytes come from the vocabulary's text of it.
+fn token_text(tokenizer: &Tokenizer, id: u32) -> (String, Vec<u8>) {
+    let text = tokenizer.decode(&[id]).unwrap_or_default();
+    let raw = tokenizer.token_text(id);
+    if text.is_empty() {
+        if let Some(raw) = raw {
+            let bytes = raw.as_bytes().to_vec();
+            return (raw, bytes);
+        }
+    }
+    if text.contains('\u{FFFD}') {
+        if let Some(bytes) = raw
+            .as_deref()
+            .and_then(|r| byte_fallback(r).or_else(|| byte_level(r)))
+        {
+            return (text, bytes);
+        }
+    }
+    let bytes = text.as_bytes().to_vec();
+    (text, bytes)
+}
+
+/// `<0xHH>`: SentencePiece's byte-fallback token for byte HH.
+fn byte_fallback(raw: &str) -> Option<Vec<u8>> {
+    let hex = raw.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2)
+        .then(|| u8::from_str_radix(hex, 16).ok())
+        .flatten()
+        .map(|b| vec![b])
+}
+
+/// The bytes of a GPT-2 byte-level token (each byte shown as one printable character).
+fn byte_level(raw: &str) -> Option<Vec<u8>> {
+    let direct = |b: u32| matches!(b, 33..=126 | 161..=172 | 174..=255);
+    raw.chars()
+        .map(|c| {
+            let c = c as u32;
+            if c < 256 && direct(c) {
+                Some(c as u8)
+            } else if (256..256 + 68).contains(&c) {
+                (0u32..256)
+                    .filter(|&b| !direct(b))
+                    .nth((c - 256) as usize)
+                    .map(|b| b as u8)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+fn publish(metrics: &Metrics, batch: &Batch, tally: &mut Tally, base: (u64, u64)) {
+    let prefixes = batch.prefix_cache();
+    let (hits, tokens) = prefixes.map_or((0, 0), |p| p.hits());
+    metrics.publish(
+        tally,
+        Gauges {
+            running: batch.running(),
+            waiting: batch.waiting(),
+            kv_bytes_allocated: batch.kv_bytes_allocated(),
+            kv_bytes_reserved: batch.kv_bytes_reserved(),
+            prefix_cache_bytes: prefixes.map_or(0, |p| p.bytes()),
+            prefix_cache_hits: base.0 + hits,
+            prefix_cache_tokens: base.1 + tokens,
+        },
+    );
+}
+
 /// Runs the engine until every submission sender is gone.
-pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
+pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metrics>) {
     let EngineParts {
         model,
         tokenizer,
@@ -170,14 +375,67 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
         Err(e) => {
             // Validated before the server starts; answer every request with the reason.
             while let Some(s) = rx.blocking_recv() {
-                let _ = s.reply.send(StreamItem::Error(engine_error(&e)));
+                let _ = s.reply.send(Reply {
+                    choice: 0,
+                    item: StreamItem::Error(engine_error(&e)),
+                });
             }
             return;
         }
     };
     let mut live: HashMap<RequestId, Live> = HashMap::new();
+    let mut tally = Tally::default();
+    // Prefix-store hits of batches a failure replaced.
+    let mut prefix_base = (0u64, 0u64);
+    let mut texts = TokenTexts::default();
+    let mut outbox: Vec<Outgoing> = Vec::new();
     let context = model.context_length();
+    let prepare = |job: &Job| -> Result<(Vec<u32>, usize, Vec<u32>), ApiError> {
+        let (prompt, stops) = match &job.input {
+            Input::Text(t) => (
+                tokenizer
+                    .encode(t, true)
+                    .map_err(|e| ApiError::invalid(e.to_string()).with_param("prompt"))?,
+                stop_tokens.clone(),
+            ),
+            Input::Tokens(ids) => (ids.clone(), stop_tokens.clone()),
+            Input::Chat(messages) => {
+                let Some(template) = &chat_template else {
+                    return Err(ApiError::invalid(
+                        "this model has no usable chat template; use /v1/completions",
+                    ));
+                };
+                let text = template
+                    .render(messages, true)
+                    .map_err(|e| engine_error(&e).with_param("messages"))?;
+                // The rendered text carries its own BOS where the template wants one.
+                let ids = tokenizer
+                    .encode(&text, false)
+                    .map_err(|e| ApiError::invalid(e.to_string()).with_param("messages"))?;
+                (ids, chat_stop_tokens.clone())
+            }
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::invalid("the prompt is empty").with_param("prompt"));
+        }
+        let max_tokens = job
+            .max_tokens
+            .unwrap_or_else(|| context.saturating_sub(prompt.len()));
+        if prompt.len() >= context || prompt.len().saturating_add(max_tokens) > context {
+            return Err(ApiError::invalid(format!(
+                "This model's maximum context length is {context} tokens. However, you \
+                 requested {} tokens ({} in the messages/prompt, {max_tokens} for the \
+                 completion). Please reduce the prompt or max_tokens.",
+                prompt.len().saturating_add(max_tokens),
+                prompt.len(),
+            ))
+            .with_param("max_tokens")
+            .with_code("context_length_exceeded"));
+        }
+        Ok((prompt, max_tokens, stops))
+    };
     loop {
+        publish(&metrics, &batch, &mut tally, prefix_base);
         // New submissions: wait for one only when there is nothing to step.
         loop {
             let submit = if batch.is_idle() && live.is_empty() {
@@ -191,84 +449,67 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
                     Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => break,
                 }
             };
-            let Submit { job, reply } = submit;
-            let accepted = (|| -> Result<(Vec<u32>, usize, Vec<u32>), ApiError> {
-                let (prompt, stops) = match &job.input {
-                    Input::Text(t) => (
-                        tokenizer
-                            .encode(t, true)
-                            .map_err(|e| ApiError::invalid(e.to_string()))?,
-                        stop_tokens.clone(),
-                    ),
-                    Input::Chat(messages) => {
-                        let Some(template) = &chat_template else {
-                            return Err(ApiError::invalid(
-                                "this model has no usable chat template; use /v1/completions",
-                            ));
-                        };
-                        let text = template
-                            .render(messages, true)
-                            .map_err(|e| engine_error(&e).with_param("messages"))?;
-                        // The rendered text carries its own BOS where the template wants one.
-                        let ids = tokenizer
-                            .encode(&text, false)
-                            .map_err(|e| ApiError::invalid(e.to_string()))?;
-                        (ids, chat_stop_tokens.clone())
-                    }
-                };
-                if prompt.is_empty() {
-                    return Err(ApiError::invalid("the prompt is empty").with_param("prompt"));
-                }
-                let max_tokens = job
-                    .max_tokens
-                    .unwrap_or_else(|| context.saturating_sub(prompt.len()));
-                if prompt.len() >= context || prompt.len().saturating_add(max_tokens) > context {
-                    return Err(ApiError::invalid(format!(
-                        "This model's maximum context length is {context} tokens. However, you \
-                         requested {} tokens ({} in the messages/prompt, {max_tokens} for the \
-                         completion). Please reduce the prompt or max_tokens.",
-                        prompt.len().saturating_add(max_tokens),
-                        prompt.len(),
-                    ))
-                    .with_param("max_tokens")
-                    .with_code("context_length_exceeded"));
-                }
-                Ok((prompt, max_tokens, stops))
-            })();
-            let (prompt, max_tokens, stops) = match accepted {
-                Ok(a) => a,
+            let Submit {
+                jobs,
+                reply,
+                received,
+            } = submit;
+            let fail = |e: ApiError| {
+                let _ = reply.send(Reply {
+                    choice: 0,
+                    item: StreamItem::Error(e),
+                });
+            };
+            let prepared = match jobs.iter().map(prepare).collect::<Result<Vec<_>, _>>() {
+                Ok(p) => p,
                 Err(e) => {
-                    let _ = reply.send(StreamItem::Error(e));
+                    fail(e);
                     continue;
                 }
             };
-            let prompt_tokens = prompt.len();
-            let request = GenerationRequest {
-                prompt,
-                max_tokens,
-                sampler: job.sampler,
-                stop_tokens: stops,
-                logprobs: None,
-            };
-            match batch.add(request) {
-                Ok(id) => {
-                    let _ = reply.send(StreamItem::Accepted { prompt_tokens });
-                    live.insert(
-                        id,
-                        Live {
-                            reply,
-                            stream: TextStream::new(),
-                            text: String::new(),
-                            sent: 0,
-                            stops: job.stops.into_iter().filter(|s| !s.is_empty()).collect(),
-                            prompt_tokens,
-                            tokens: 0,
-                        },
-                    );
+            // Every choice is queued, or none is.
+            let mut added: Vec<(RequestId, Live)> = Vec::new();
+            let mut refused = None;
+            'jobs: for (job, (prompt, max_tokens, stops)) in jobs.into_iter().zip(prepared) {
+                for k in 0..job.n {
+                    let mut sampler = job.sampler.clone();
+                    sampler.seed = sampler.seed.wrapping_add(k as u64);
+                    let prompt_tokens = prompt.len();
+                    let request = GenerationRequest {
+                        prompt: prompt.clone(),
+                        max_tokens,
+                        sampler,
+                        stop_tokens: stops.clone(),
+                        logprobs: job.logprobs,
+                    };
+                    match batch.add(request) {
+                        Ok(id) => {
+                            let mut l = Live::new(reply.clone(), added.len(), job.stops.clone());
+                            l.prompt_tokens = prompt_tokens;
+                            l.received = received;
+                            added.push((id, l));
+                        }
+                        Err(e) => {
+                            refused = Some(engine_error(&e));
+                            break 'jobs;
+                        }
+                    }
                 }
-                Err(e) => {
-                    let _ = reply.send(StreamItem::Error(engine_error(&e)));
+            }
+            if let Some(e) = refused {
+                for (id, _) in &added {
+                    batch.cancel(*id);
                 }
+                fail(e);
+                continue;
+            }
+            let _ = reply.send(Reply {
+                choice: 0,
+                item: StreamItem::Accepted,
+            });
+            for (id, l) in added {
+                tally.prompt_tokens += l.prompt_tokens as u64;
+                live.insert(id, l);
             }
         }
 
@@ -281,6 +522,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
         for id in gone {
             batch.cancel(id);
             live.remove(&id);
+            tally.finish(Outcome::Cancelled, 1);
         }
 
         if batch.is_idle() {
@@ -295,38 +537,74 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
                     _ => "the engine failed (panic in a step)".to_string(),
                 };
                 for (_, l) in live.drain() {
-                    let _ = l
-                        .reply
-                        .send(StreamItem::Error(ApiError::internal(message.clone())));
+                    tally.finish(Outcome::Error, 1);
+                    outbox.push((
+                        l.reply.clone(),
+                        Reply {
+                            choice: l.choice,
+                            item: StreamItem::Error(ApiError::internal(message.clone())),
+                        },
+                    ));
+                }
+                if let Some(p) = batch.prefix_cache() {
+                    let (hits, tokens) = p.hits();
+                    prefix_base = (prefix_base.0 + hits, prefix_base.1 + tokens);
                 }
                 match Batch::new(&model, &scheme, prefill_chunk, limits) {
                     Ok(b) => batch = b.with_prefix_cache(prefix_cache),
                     Err(_) => return,
                 }
+                publish(&metrics, &batch, &mut tally, prefix_base);
+                for (to, reply) in outbox.drain(..) {
+                    let _ = to.send(reply);
+                }
                 continue;
             }
         };
+        let now = Instant::now();
         for event in events {
             match event {
-                Event::Token { id, token, .. } => {
+                Event::Token {
+                    id,
+                    token,
+                    logprobs,
+                } => {
+                    tally.generation_tokens += 1;
                     let Some(l) = live.get_mut(&id) else { continue };
                     l.tokens += 1;
+                    match l.last_token {
+                        None => tally.ttft.observe((now - l.received).as_secs_f64()),
+                        Some(t) => tally.itl.observe((now - t).as_secs_f64()),
+                    }
+                    l.last_token = Some(now);
+                    if let Some(lp) = &logprobs {
+                        l.pending.push(texts.logprobs(&tokenizer, token, lp));
+                    }
                     let piece = match l.stream.push(&tokenizer, token) {
                         Ok(p) => p,
                         Err(e) => {
-                            let _ = l.reply.send(StreamItem::Error(ApiError::internal(format!(
+                            let item = StreamItem::Error(ApiError::internal(format!(
                                 "detokenizing failed: {e}"
-                            ))));
+                            )));
+                            outbox.push((
+                                l.reply.clone(),
+                                Reply {
+                                    choice: l.choice,
+                                    item,
+                                },
+                            ));
                             batch.cancel(id);
                             live.remove(&id);
+                            tally.finish(Outcome::Error, 1);
                             continue;
                         }
                     };
                     if l.forward(&piece, false) {
                         // Cut by a stop string: the engine's finish event never comes.
-                        l.done(Finish::Stop, 0);
+                        outbox.push(l.done(Finish::Stop, 0));
                         batch.cancel(id);
                         live.remove(&id);
+                        tally.finish(Outcome::Stop, 1);
                     }
                 }
                 Event::Finished {
@@ -347,9 +625,20 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
                             StopReason::MaxTokens | StopReason::ContextLimit => Finish::Length,
                         }
                     };
-                    l.done(finish, cached_tokens);
+                    outbox.push(l.done(finish, cached_tokens));
+                    tally.finish(
+                        match finish {
+                            Finish::Stop => Outcome::Stop,
+                            Finish::Length => Outcome::Length,
+                        },
+                        1,
+                    );
                 }
             }
+        }
+        publish(&metrics, &batch, &mut tally, prefix_base);
+        for (to, reply) in outbox.drain(..) {
+            let _ = to.send(reply);
         }
     }
 }
@@ -358,25 +647,17 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>) {
 mod tests {
     use super::*;
 
-    fn live(stops: &[&str]) -> (Live, mpsc::UnboundedReceiver<StreamItem>) {
+    fn live(stops: &[&str]) -> (Live, mpsc::UnboundedReceiver<Reply>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let l = Live {
-            reply: tx,
-            stream: TextStream::new(),
-            text: String::new(),
-            sent: 0,
-            stops: stops.iter().map(|s| s.to_string()).collect(),
-            prompt_tokens: 0,
-            tokens: 0,
-        };
+        let l = Live::new(tx, 0, stops.iter().map(|s| s.to_string()).collect());
         (l, rx)
     }
 
-    fn sent(rx: &mut mpsc::UnboundedReceiver<StreamItem>) -> String {
+    fn sent(rx: &mut mpsc::UnboundedReceiver<Reply>) -> String {
         let mut out = String::new();
-        while let Ok(item) = rx.try_recv() {
-            if let StreamItem::Text(t) = item {
-                out.push_str(&t);
+        while let Ok(reply) = rx.try_recv() {
+            if let StreamItem::Text { text, .. } = reply.item {
+                out.push_str(&text);
             }
         }
         out
@@ -409,5 +690,64 @@ mod tests {
         let (mut l, mut rx) = live(&["é!", "b"]);
         assert!(l.forward("ééaé!b", false));
         assert_eq!(sent(&mut rx), "ééa");
+    }
+
+    fn lp(token: &str) -> TokenLogprob {
+        TokenLogprob {
+            token: token.into(),
+            bytes: token.as_bytes().to_vec(),
+            logprob: -1.0,
+            top: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn logprobs_travel_with_their_text_and_are_cut_with_a_stop_string() {
+        let (mut l, mut rx) = live(&["END"]);
+        l.pending.push(lp("a"));
+        assert!(!l.forward("a", false));
+        l.pending.push(lp(" E"));
+        assert!(!l.forward(" E", false));
+        l.pending.push(lp("ND"));
+        assert!(l.forward("ND", false));
+        let (to, done) = l.done(Finish::Stop, 0);
+        to.send(done).unwrap();
+        let mut items = Vec::new();
+        while let Ok(r) = rx.try_recv() {
+            items.push(r.item);
+        }
+        assert!(
+            matches!(&items[0], StreamItem::Text { text, logprobs } if text == "a" && logprobs == &[lp("a")])
+        );
+        // " " went out with the token that held it; the stop's tokens are dropped.
+        assert!(
+            matches!(&items[1], StreamItem::Text { text, logprobs } if text == " " && logprobs == &[lp(" E")])
+        );
+        assert!(matches!(&items[2], StreamItem::Done { logprobs, .. } if logprobs.is_empty()));
+    }
+
+    #[test]
+    fn token_bytes_of_partial_characters() {
+        assert_eq!(byte_fallback("<0xE2>"), Some(vec![0xE2]));
+        assert_eq!(byte_fallback("<0xE2"), None);
+        // GPT-2's byte-level map: 'Ġ' is the space, 'â' is 0xE2 itself.
+        assert_eq!(byte_level("Ġa"), Some(vec![b' ', b'a']));
+        assert_eq!(byte_level("â"), Some(vec![0xE2]));
+        assert_eq!(byte_level("▁"), None);
+    }
+
+    #[test]
+    fn invalid_settings_name_their_param() {
+        let e = engine_error(&EngineError::Invalid("top_p must be in (0, 1]".into()));
+        assert_eq!(
+            (e.param, e.message.as_str()),
+            (Some("top_p"), "top_p must be in (0, 1]")
+        );
+        let e = engine_error(&EngineError::Invalid("token id 9 is outside".into()));
+        assert_eq!(e.param, Some("prompt"));
+        let e = engine_error(&EngineError::Invalid(
+            "top_logprobs must be at most 20".into(),
+        ));
+        assert_eq!(e.param, Some("top_logprobs"));
     }
 }

@@ -7,27 +7,37 @@
 //! stream. A request that fails is answered with an OpenAI-shaped error and never takes
 //! another request, or the process, with it.
 //!
-//! Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`,
-//! `POST /v1/chat/completions`.
+//! Routes: `GET /health`, `GET /metrics` (Prometheus text; no API key, like vLLM's and
+//! llama-server's), `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
+//! SIGINT or SIGTERM stops accepting connections and lets requests in flight finish (up to
+//! [`SHUTDOWN_GRACE`]); a second signal exits at once.
 
 pub mod engine;
+pub mod metrics;
 pub mod openai;
 
-use axum::body::{Body, Bytes};
+use axum::body::{Body as HttpBody, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use engine::{EngineParts, Input, Job, StreamItem, Submit};
-use openai::{ApiError, ChatRequest, CompletionRequest, Endpoint, Envelope, Sampling};
-use serde::de::DeserializeOwned;
-use serde_json::json;
+use engine::{EngineParts, Input, Job, Reply, StreamItem, Submit};
+use metrics::Metrics;
+use openai::{ApiError, Body, ChatMessage, ChoiceOut, Endpoint, Envelope, Prompt, Sampling};
+use serde_json::{json, Value};
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
-use tessera_engine::SamplerConfig;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tessera_engine::{SamplerConfig, MAX_TOP_LOGPROBS};
 use tokio::sync::mpsc;
+
+/// How long a shutdown waits for requests in flight.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// The most choices (prompts × `n`) one request may ask for.
+pub const MAX_CHOICES: usize = 64;
 
 /// Everything `tessera serve` decided: where to listen, who may call, and the engine.
 pub struct ServerConfig {
@@ -58,6 +68,9 @@ struct AppState {
     api_key: Option<String>,
     started: u64,
     next_id: AtomicU64,
+    metrics: Arc<Metrics>,
+    /// `--max-queue`: every choice of a request waits in the queue at first.
+    max_queue: usize,
 }
 
 fn unix_now() -> u64 {
@@ -66,8 +79,34 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Serves until the process ends. Prints `listening on http://HOST:PORT` on stderr once the
-/// socket is bound.
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM; never where neither can be listened for.
+async fn shutdown_signal() {
+    let interrupt = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = interrupt => {}
+        _ = terminate => {}
+    }
+}
+
+/// Serves until SIGINT or SIGTERM, then stops accepting connections, lets requests in
+/// flight finish (at most [`SHUTDOWN_GRACE`]) and returns `Ok`. Prints
+/// `listening on http://HOST:PORT` on stderr once the socket is bound.
 pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
     let ServerConfig {
         host,
@@ -77,10 +116,12 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
         engine,
     } = config;
     let queue = engine.limits.max_queue.max(1);
+    let metrics = Arc::new(Metrics::new(engine.limits.kv_budget));
     let (tx, rx) = mpsc::channel::<Submit>(queue);
+    let engine_metrics = metrics.clone();
     let engine_thread = std::thread::Builder::new()
         .name("tessera-engine".into())
-        .spawn(move || engine::run(engine, rx))
+        .spawn(move || engine::run(engine, rx, engine_metrics))
         .map_err(|e| ServerError(format!("cannot start the engine thread: {e}")))?;
     let state = Arc::new(AppState {
         submit: tx,
@@ -88,6 +129,8 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
         api_key,
         started: unix_now(),
         next_id: AtomicU64::new(0),
+        metrics,
+        max_queue: queue,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -101,17 +144,47 @@ pub fn serve(config: ServerConfig) -> Result<(), ServerError> {
             .local_addr()
             .map_err(|e| ServerError(format!("cannot read the bound address: {e}")))?;
         eprintln!("listening on http://{host}:{}", bound.port());
-        axum::serve(listener, router(state))
-            .await
-            .map_err(|e| ServerError(format!("server failed: {e}")))
+        let signalled = Arc::new(tokio::sync::Notify::new());
+        let notify = signalled.clone();
+        let server = axum::serve(listener, router(state))
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                eprintln!(
+                    "shutting down: no new connections; requests in flight may take up to {}s",
+                    SHUTDOWN_GRACE.as_secs()
+                );
+                notify.notify_one();
+            })
+            .into_future();
+        // After the signal: the grace period, or a second signal, ends the wait.
+        let deadline = async {
+            signalled.notified().await;
+            tokio::select! {
+                _ = tokio::time::sleep(SHUTDOWN_GRACE) => {
+                    eprintln!("shutdown: requests still running after the grace period; exiting");
+                }
+                _ = shutdown_signal() => eprintln!("shutdown: second signal; exiting"),
+            }
+        };
+        tokio::select! {
+            r = server => r.map_err(|e| ServerError(format!("server failed: {e}"))),
+            _ = deadline => Ok(()),
+        }
     });
+    // Requests still running (past the grace period) are abandoned with the runtime; the
+    // engine thread ends once its submission channel closes, or with the process.
+    runtime.shutdown_background();
     drop(engine_thread);
+    if result.is_ok() {
+        eprintln!("stopped");
+    }
     result
 }
 
 fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -119,8 +192,19 @@ fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-async fn health() -> Json<serde_json::Value> {
+async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
 }
 
 fn check_key(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -154,57 +238,63 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     .into_response()
 }
 
-/// The body as `T`: malformed JSON and wrong types are a 400 in OpenAI's shape.
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() {
-            "We could not parse the JSON body of your request"
-        } else {
-            "Invalid request body"
-        };
-        ApiError::invalid(format!("{what}: {e}"))
-    })
-}
-
+/// The sampler the request's fields ask for, validated by the engine's own rules (its
+/// messages name the setting, which becomes `param`); OpenAI's temperature range [0, 2]
+/// is checked here.
 fn sampler(s: &Sampling) -> Result<SamplerConfig, ApiError> {
     let temperature = s.temperature.unwrap_or(1.0);
-    if !(temperature.is_finite() && temperature >= 0.0) {
+    if !(0.0..=2.0).contains(&temperature) {
         return Err(
-            ApiError::invalid("temperature must be a finite number ≥ 0").with_param("temperature")
+            ApiError::invalid(format!("temperature must be in [0, 2], not {temperature}"))
+                .with_param("temperature"),
         );
-    }
-    let top_p = s.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid("top_p must be in (0, 1]").with_param("top_p"));
-    }
-    let min_p = s.min_p.unwrap_or(0.0);
-    if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::invalid("min_p must be in [0, 1]").with_param("min_p"));
     }
     // -1 and 0 both mean "off" (vLLM and llama.cpp conventions).
     let top_k = match s.top_k {
         None | Some(-1) | Some(0) => None,
-        Some(k) if k > 0 => Some(k as usize),
+        Some(k) if k > 0 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
         Some(_) => {
             return Err(ApiError::invalid("top_k must be -1, 0 or positive").with_param("top_k"))
         }
     };
-    if s.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("only n = 1 is supported").with_param("n"));
-    }
     let seed = s.seed.unwrap_or_else(|| {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
     });
-    Ok(SamplerConfig {
+    let config = SamplerConfig {
         temperature,
         top_k,
-        top_p: (top_p < 1.0).then_some(top_p),
-        min_p: (min_p > 0.0).then_some(min_p),
+        // 1 and 0 are "off"; anything else goes to `validate`, which refuses what is out of
+        // range.
+        top_p: s.top_p.filter(|&p| p != 1.0),
+        min_p: s.min_p.filter(|&p| p != 0.0),
+        repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: s.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
         seed,
         ..Default::default()
-    })
+    };
+    config.validate().map_err(|e| engine::engine_error(&e))?;
+    Ok(config)
+}
+
+/// What shapes the answer (beyond the choices' contents).
+struct Answer {
+    endpoint: Endpoint,
+    /// Choices per prompt.
+    n: usize,
+    stream: bool,
+    include_usage: bool,
+    logprobs: bool,
+    received: Instant,
+}
+
+fn refuse_if(cond: bool, param: &'static str, message: &str) -> Result<(), ApiError> {
+    match cond {
+        true => Err(ApiError::invalid(message).with_param(param)),
+        false => Ok(()),
+    }
 }
 
 async fn completions(
@@ -212,22 +302,60 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let received = Instant::now();
     let run = async {
         check_key(&state, &headers)?;
-        let mut req: CompletionRequest = parse(&body)?;
-        let job = Job {
-            input: Input::Text(req.prompt),
-            // OpenAI's default for completions.
-            max_tokens: Some(req.max_tokens.unwrap_or(16)),
-            sampler: sampler(&req.sampling)?,
-            stops: req
-                .sampling
-                .stop
-                .take()
-                .map(|s| s.into_vec())
-                .unwrap_or_default(),
+        let body = Body::parse(&body)?;
+        let prompts = openai::prompts(&body)?;
+        let sampling = Sampling::from_body(&body)?;
+        let sampler = sampler(&sampling)?;
+        // OpenAI's default for completions.
+        let max_tokens = body.get::<usize>("max_tokens")?.unwrap_or(16);
+        let logprobs = body.get::<usize>("logprobs")?;
+        if let Some(k) = logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return Err(ApiError::invalid(format!(
+                "logprobs must be at most {MAX_TOP_LOGPROBS}, not {k}"
+            ))
+            .with_param("logprobs"));
+        }
+        refuse_if(
+            body.get::<bool>("echo")?.unwrap_or(false),
+            "echo",
+            "echo is not supported",
+        )?;
+        refuse_if(
+            body.get::<u64>("best_of")?.is_some_and(|b| b > 1),
+            "best_of",
+            "best_of is not supported; use n",
+        )?;
+        refuse_if(
+            prompts.len() * sampling.n > MAX_CHOICES,
+            "prompt",
+            &format!("at most {MAX_CHOICES} choices (prompts × n) per request"),
+        )?;
+        let jobs = prompts
+            .into_iter()
+            .map(|p| Job {
+                input: match p {
+                    Prompt::Text(t) => Input::Text(t),
+                    Prompt::Tokens(ids) => Input::Tokens(ids),
+                },
+                n: sampling.n,
+                max_tokens: Some(max_tokens),
+                sampler: sampler.clone(),
+                stops: sampling.stop.clone(),
+                logprobs,
+            })
+            .collect();
+        let answer = Answer {
+            endpoint: Endpoint::Completions,
+            n: sampling.n,
+            stream: sampling.stream,
+            include_usage: sampling.include_usage,
+            logprobs: logprobs.is_some(),
+            received,
         };
-        respond(&state, Endpoint::Completions, job, &req.sampling).await
+        respond(&state, jobs, answer).await
     };
     run.await.unwrap_or_else(|e| e.into_response())
 }
@@ -237,199 +365,307 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let received = Instant::now();
     let run = async {
         check_key(&state, &headers)?;
-        let mut req: ChatRequest = parse(&body)?;
-        if req.messages.is_empty() {
-            return Err(ApiError::invalid("messages must not be empty").with_param("messages"));
+        let body = Body::parse(&body)?;
+        let messages: Vec<ChatMessage> = body.require("messages")?;
+        refuse_if(
+            messages.is_empty(),
+            "messages",
+            "messages must not be empty",
+        )?;
+        let sampling = Sampling::from_body(&body)?;
+        let sampler = sampler(&sampling)?;
+        let max_tokens = match body.get::<usize>("max_completion_tokens")? {
+            Some(m) => Some(m),
+            None => body.get::<usize>("max_tokens")?,
+        };
+        let want = body.get::<bool>("logprobs")?.unwrap_or(false);
+        let top = body.get::<usize>("top_logprobs")?;
+        refuse_if(
+            !want && top.is_some_and(|t| t > 0),
+            "top_logprobs",
+            "top_logprobs needs logprobs to be true",
+        )?;
+        if let Some(t) = top.filter(|&t| t > MAX_TOP_LOGPROBS) {
+            return Err(ApiError::invalid(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, not {t}"
+            ))
+            .with_param("top_logprobs"));
         }
-        let sampler = sampler(&req.sampling)?;
-        let messages = req
-            .messages
+        let messages = messages
             .into_iter()
-            .map(|m| m.text())
+            .map(ChatMessage::text)
             .collect::<Result<Vec<_>, _>>()?;
         let job = Job {
             input: Input::Chat(messages),
-            max_tokens: req.max_completion_tokens.or(req.max_tokens),
+            n: sampling.n,
+            max_tokens,
             sampler,
-            stops: req
-                .sampling
-                .stop
-                .take()
-                .map(|s| s.into_vec())
-                .unwrap_or_default(),
+            stops: sampling.stop.clone(),
+            logprobs: want.then(|| top.unwrap_or(0)),
         };
-        respond(&state, Endpoint::Chat, job, &req.sampling).await
+        let answer = Answer {
+            endpoint: Endpoint::Chat,
+            n: sampling.n,
+            stream: sampling.stream,
+            include_usage: sampling.include_usage,
+            logprobs: want,
+            received,
+        };
+        respond(&state, vec![job], answer).await
     };
     run.await.unwrap_or_else(|e| e.into_response())
 }
 
-/// Submits `job` and answers with the whole response, or an SSE stream when asked.
-async fn respond(
-    state: &AppState,
-    endpoint: Endpoint,
-    job: Job,
-    sampling: &Sampling,
-) -> Result<Response, ApiError> {
+/// A finished choice's counts.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counts {
+    prompt: usize,
+    completion: usize,
+    cached: usize,
+}
+
+/// `usage` over every choice: each prompt counted once (its `n` choices share it), the
+/// completions summed.
+fn total_usage(counts: &[Counts], n: usize) -> Value {
+    let (mut prompt, mut completion, mut cached) = (0, 0, 0);
+    for group in counts.chunks(n.max(1)) {
+        let p = group.first().map_or(0, |c| c.prompt);
+        prompt += p;
+        cached += group.iter().map(|c| c.cached).max().unwrap_or(0).min(p);
+        completion += group.iter().map(|c| c.completion).sum::<usize>();
+    }
+    openai::usage(prompt, completion, cached)
+}
+
+/// Submits the request's jobs and answers with the whole response, or an SSE stream when
+/// asked.
+async fn respond(state: &AppState, jobs: Vec<Job>, answer: Answer) -> Result<Response, ApiError> {
+    let choices: usize = jobs.iter().map(|j| j.n).sum();
+    if choices > state.max_queue {
+        // It could never be queued whole: not a "try again later".
+        return Err(ApiError::invalid(format!(
+            "this request asks for {choices} choices (prompts × n); the server queues at \
+             most {} (--max-queue)",
+            state.max_queue
+        ))
+        .with_param("n"));
+    }
     let (reply, mut rx) = mpsc::unbounded_channel();
     state
         .submit
-        .try_send(Submit { job, reply })
+        .try_send(Submit {
+            jobs,
+            reply,
+            received: answer.received,
+        })
         .map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => {
                 ApiError::busy("the server's queue is full; try again later")
             }
             mpsc::error::TrySendError::Closed(_) => ApiError::internal("the engine has stopped"),
         })?;
-    match rx.recv().await {
-        Some(StreamItem::Accepted { .. }) => {}
+    match rx.recv().await.map(|r| r.item) {
+        Some(StreamItem::Accepted) => {}
         Some(StreamItem::Error(e)) => return Err(e),
         _ => return Err(ApiError::internal("the engine has stopped")),
     }
-    let prefix = match endpoint {
+    let prefix = match answer.endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
     };
-    let n = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let serial = state.next_id.fetch_add(1, Ordering::Relaxed);
     let envelope = Envelope {
-        endpoint,
-        id: format!("{prefix}-{:x}{n:06x}", state.started),
+        endpoint: answer.endpoint,
+        id: format!("{prefix}-{:x}{serial:06x}", state.started),
         created: unix_now(),
         model: state.model_name.clone(),
+        logprobs: answer.logprobs,
     };
-    if sampling.stream {
-        let include_usage = sampling
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
-        return Ok(sse(envelope, rx, include_usage));
+    if answer.stream {
+        return Ok(sse(envelope, rx, choices, answer.n, answer.include_usage));
     }
-    let mut text = String::new();
-    loop {
-        match rx.recv().await {
-            Some(StreamItem::Text(t)) => text.push_str(&t),
-            Some(StreamItem::Done {
+    let mut out = vec![ChoiceOut::default(); choices];
+    let mut counts = vec![Counts::default(); choices];
+    let mut left = choices;
+    while left > 0 {
+        let Some(Reply { choice, item }) = rx.recv().await else {
+            return Err(ApiError::internal("the engine has stopped"));
+        };
+        let (Some(c), Some(count)) = (out.get_mut(choice), counts.get_mut(choice)) else {
+            continue;
+        };
+        match item {
+            StreamItem::Text { text, logprobs } => {
+                c.text.push_str(&text);
+                c.logprobs.extend(logprobs);
+            }
+            StreamItem::Done {
                 finish,
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,
-            }) => {
-                let body = envelope.response(
-                    &text,
-                    finish,
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens,
-                );
-                return Ok(Json(body).into_response());
+                logprobs,
+            } => {
+                if c.finish.is_none() {
+                    left -= 1;
+                }
+                c.finish = Some(finish);
+                c.logprobs.extend(logprobs);
+                *count = Counts {
+                    prompt: prompt_tokens,
+                    completion: completion_tokens,
+                    cached: cached_tokens,
+                };
             }
-            Some(StreamItem::Error(e)) => return Err(e),
-            Some(StreamItem::Accepted { .. }) => {}
-            None => return Err(ApiError::internal("the engine has stopped")),
+            StreamItem::Error(e) => return Err(e),
+            StreamItem::Accepted => {}
         }
     }
+    Ok(Json(envelope.response(&out, total_usage(&counts, answer.n))).into_response())
 }
 
-fn event(v: &serde_json::Value) -> String {
+fn event(v: &Value) -> String {
     format!("data: {v}\n\n")
 }
 
-/// The SSE stream: one `data: {json}\n\n` event per piece of text, the finishing chunk,
-/// the usage chunk when asked, then `data: [DONE]\n\n`.
+/// The SSE stream: for chat, a role chunk per choice first; then one `data: {json}\n\n`
+/// event per piece of text of any choice (with its `index`), each choice's finishing chunk,
+/// the usage chunk when asked once all are done, then `data: [DONE]\n\n`.
 fn sse(
     envelope: Envelope,
-    rx: mpsc::UnboundedReceiver<StreamItem>,
+    rx: mpsc::UnboundedReceiver<Reply>,
+    choices: usize,
+    n: usize,
     include_usage: bool,
 ) -> Response {
     struct St {
-        rx: mpsc::UnboundedReceiver<StreamItem>,
+        rx: mpsc::UnboundedReceiver<Reply>,
         envelope: Envelope,
-        first: bool,
+        started: bool,
         done: bool,
         include_usage: bool,
+        n: usize,
+        finished: Vec<Option<Counts>>,
+        /// Per choice: characters so far (completions' `text_offset`).
+        offsets: Vec<usize>,
     }
     let st = St {
         rx,
         envelope,
-        first: true,
+        started: false,
         done: false,
         include_usage,
+        n,
+        finished: vec![None; choices],
+        offsets: vec![0; choices],
     };
     let stream = futures_util::stream::unfold(st, |mut st| async move {
         if st.done {
             return None;
         }
         let mut out = String::new();
-        if st.first && st.envelope.endpoint == Endpoint::Chat {
-            // The role comes first, in a chunk of its own (as OpenAI sends it).
-            out.push_str(&event(&st.envelope.chunk(
-                Some(""),
-                true,
-                None,
-                st.include_usage,
-            )));
-            st.first = false;
-            return Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), st));
-        }
-        st.first = false;
-        loop {
-            match st.rx.recv().await {
-                Some(StreamItem::Text(t)) if t.is_empty() => continue,
-                Some(StreamItem::Text(t)) => {
+        if !st.started {
+            st.started = true;
+            if st.envelope.endpoint == Endpoint::Chat {
+                // The role comes first, in a chunk of its own per choice (as OpenAI sends).
+                for index in 0..st.finished.len() {
                     out.push_str(&event(&st.envelope.chunk(
-                        Some(&t),
-                        false,
+                        index,
+                        Some(""),
+                        true,
                         None,
+                        &[],
+                        &mut 0,
                         st.include_usage,
                     )));
                 }
-                Some(StreamItem::Done {
+                return Some((Ok::<_, std::convert::Infallible>(Bytes::from(out)), st));
+            }
+        }
+        let fail = |out: &mut String, e: ApiError| {
+            out.push_str(&event(&e.body()));
+            out.push_str("data: [DONE]\n\n");
+        };
+        loop {
+            let Some(Reply { choice, item }) = st.rx.recv().await else {
+                fail(&mut out, ApiError::internal("the engine has stopped"));
+                st.done = true;
+                break;
+            };
+            let Some(offset) = st.offsets.get_mut(choice) else {
+                continue;
+            };
+            match item {
+                StreamItem::Text { text, logprobs } => {
+                    if text.is_empty() && logprobs.is_empty() {
+                        continue;
+                    }
+                    out.push_str(&event(&st.envelope.chunk(
+                        choice,
+                        Some(&text),
+                        false,
+                        None,
+                        &logprobs,
+                        offset,
+                        st.include_usage,
+                    )));
+                }
+                StreamItem::Done {
                     finish,
                     prompt_tokens,
                     completion_tokens,
                     cached_tokens,
-                }) => {
+                    logprobs,
+                } => {
                     let text = match st.envelope.endpoint {
                         Endpoint::Completions => Some(""),
                         Endpoint::Chat => None,
                     };
                     out.push_str(&event(&st.envelope.chunk(
+                        choice,
                         text,
                         false,
                         Some(finish),
+                        &logprobs,
+                        offset,
                         st.include_usage,
                     )));
-                    if st.include_usage {
-                        out.push_str(&event(&st.envelope.usage_chunk(
-                            prompt_tokens,
-                            completion_tokens,
-                            cached_tokens,
-                        )));
+                    if let Some(f) = st.finished.get_mut(choice) {
+                        *f = Some(Counts {
+                            prompt: prompt_tokens,
+                            completion: completion_tokens,
+                            cached: cached_tokens,
+                        });
                     }
-                    out.push_str("data: [DONE]\n\n");
+                    if st.finished.iter().all(Option::is_some) {
+                        if st.include_usage {
+                            let counts: Vec<Counts> =
+                                st.finished.iter().map(|c| c.unwrap_or_default()).collect();
+                            out.push_str(&event(
+                                &st.envelope.usage_chunk(total_usage(&counts, st.n)),
+                            ));
+                        }
+                        out.push_str("data: [DONE]\n\n");
+                        st.done = true;
+                    }
+                }
+                StreamItem::Error(e) => {
+                    fail(&mut out, e);
                     st.done = true;
                 }
-                Some(StreamItem::Error(e)) => {
-                    out.push_str(&event(&e.body()));
-                    out.push_str("data: [DONE]\n\n");
-                    st.done = true;
-                }
-                Some(StreamItem::Accepted { .. }) => continue,
-                None => {
-                    let e = ApiError::internal("the engine has stopped");
-                    out.push_str(&event(&e.body()));
-                    out.push_str("data: [DONE]\n\n");
-                    st.done = true;
-                }
+                StreamItem::Accepted => continue,
             }
-            return Some((Ok(Bytes::from(out)), st));
+            break;
         }
+        Some((Ok(Bytes::from(out)), st))
     });
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(stream))
+        .body(HttpBody::from_stream(stream))
         .unwrap_or_else(|_| ApiError::internal("cannot build the stream").into_response())
 }
