@@ -7,7 +7,7 @@ time to first token and inter-token latency (p50/p99) as one JSON line per concu
     python3 bench/load.py --base-url http://127.0.0.1:8080/v1 --corpus TEXT --concurrency 1 4 16 \
         --requests 16 --prompt-words 300 --max-tokens 64
 """
-import argparse, asyncio, json, random, statistics, time
+import argparse, asyncio, json, random, statistics, time, urllib.request
 
 from openai import AsyncOpenAI
 
@@ -39,6 +39,27 @@ async def one(client, model, prompt, max_tokens):
     return first, itl, tokens, time.perf_counter() - t0
 
 
+def running_rows(metrics_url):
+    """tessera_requests_running from a Prometheus /metrics page (None if unreadable)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("tessera_requests_running "):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+async def sample_rows(metrics_url, seen, stop):
+    """Polls the running-row gauge every 0.25 s until `stop` is set."""
+    while not stop.is_set():
+        n = await asyncio.to_thread(running_rows, metrics_url)
+        if n is not None:
+            seen.append(n)
+        await asyncio.sleep(0.25)
+
+
 async def run(args, concurrency, words):
     client = AsyncOpenAI(base_url=args.base_url, api_key="none", timeout=3600)
     rng = random.Random(concurrency)
@@ -52,15 +73,24 @@ async def run(args, concurrency, words):
         async with sem:
             return await one(client, args.model, p, args.max_tokens)
 
+    rows, stop = [], asyncio.Event()
+    sampler = args.metrics_url and asyncio.create_task(sample_rows(args.metrics_url, rows, stop))
     t0 = time.perf_counter()
     results = await asyncio.gather(*(guarded(p) for p in prompts))
     wall = time.perf_counter() - t0
+    if sampler:
+        stop.set()
+        await sampler
     ttft = [r[0] for r in results if r[0] is not None]
     itl = [x for r in results for x in r[1]]
     out = sum(r[2] for r in results)
     return {"concurrency": concurrency, "requests": len(results), "output_tok_s": out / wall,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "wall_s": wall}
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "wall_s": wall,
+            # Per request: its stream's speed, tokens after the first over first to last.
+            "per_request_tok_s": statistics.mean(
+                (r[2] - 1) / (r[3] - r[0]) for r in results if r[0] is not None and r[3] > r[0]),
+            "rows_max": max(rows) if rows else None}
 
 
 def main():
@@ -73,6 +103,8 @@ def main():
     ap.add_argument("--prompt-words", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--label", default="")
+    ap.add_argument("--metrics-url", default="",
+                    help="tessera's /metrics: sample how many rows decode together")
     args = ap.parse_args()
     words = open(args.corpus, encoding="utf-8").read().split()
     for c in args.concurrency:
