@@ -39,9 +39,9 @@ pub struct ModelArgs {
     /// in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512` or
-    /// `avx512vnni` (default: the highest this CPU runs), e.g. to measure what an AVX2-only
-    /// CPU gets.
+    /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512`,
+    /// `avx512vnni` or `amx` (AVX-512 VNNI plus the AMX-INT8 tiles the OS grants; default:
+    /// the highest this CPU runs), e.g. to measure what an AVX2-only CPU gets.
     #[arg(long)]
     pub isa: Option<String>,
 }

@@ -11,6 +11,7 @@ pub mod decoder;
 mod error;
 pub mod gguf;
 pub mod q8;
+mod q8_amx;
 pub mod synth;
 mod tokenizer;
 

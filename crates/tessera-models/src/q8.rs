@@ -8,11 +8,15 @@
 //! Q8_0 as llama.cpp does (per 32-element block, scale = max|x| / 127, round half away from
 //! zero), and a 4 × 4 register tile of (activation row, weight row) pairs shares every load.
 //! `vpdpbusd` multiplies unsigned by signed bytes, so each product a·w is formed as
-//! |w| · (a with w's sign), the same trick as ggml's AVX2 path.
+//! |w| · (a with w's sign), the same trick as ggml's AVX2 path. At [`Isa::Amx`], 16 or
+//! more activation rows go to AMX int8 tiles instead ([`crate::q8_amx`]).
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Result, Tensor};
 use tessera_kv::Isa;
+
+#[cfg(target_arch = "x86_64")]
+use crate::q8_amx::TileActs;
 
 const BLOCK: usize = 32;
 const Q8_0_BYTES: usize = 34;
@@ -24,11 +28,56 @@ pub struct Q8Matrix {
     n: usize,
     k: usize,
     /// Codes, row-major `(n, k)`.
-    qs: Vec<i8>,
+    qs: Codes,
     /// Block scales `(n, k / 32)`, kept as f16 bits as stored (half the bytes of f32 on
     /// the memory-bound decode path).
     d: Vec<u16>,
+    /// Created at [`Isa::Amx`] (capped): [`Q8Matrix::uses_amx`].
+    amx: bool,
+    /// At [`Isa::Amx`], the scales of the whole 16-row tiles again in the order the AMX
+    /// kernel reads them (see [`crate::q8_amx::tile_scales`]; 6% more bytes than the
+    /// codes alone); empty otherwise.
+    tile_d: Vec<u16>,
 }
+
+/// Int8 codes in 64-byte aligned storage: a 32-byte block of a row (k a multiple of 32)
+/// then never straddles two cache lines, which makes an AMX tile load several times slower.
+pub(crate) struct Codes {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([i8; 64]);
+
+impl Codes {
+    pub(crate) fn zeroed(len: usize) -> Self {
+        Codes {
+            lines: vec![Line([0; 64]); len.div_ceil(64)],
+            len,
+        }
+    }
+}
+
+impl std::ops::Deref for Codes {
+    type Target = [i8];
+    fn deref(&self) -> &[i8] {
+        // SAFETY: the lines are contiguous initialized bytes (arrays, no padding), at least
+        // `len` of them.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const i8, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Codes {
+    fn deref_mut(&mut self) -> &mut [i8] {
+        // SAFETY: as in `deref`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut i8, self.len) }
+    }
+}
+
+/// Activation rows from which the AMX tiles take over: one full B tile.
+const AMX_MIN_ROWS: usize = 16;
 
 impl Q8Matrix {
     /// Repacks a 2-D Q8_0 tensor; `None` for any other type, and at any level below
@@ -43,7 +92,7 @@ impl Q8Matrix {
         }
         let kb = k / BLOCK;
         let data = t.data()?;
-        let mut qs = vec![0i8; n * k];
+        let mut qs = Codes::zeroed(n * k);
         let mut d = vec![0u16; n * kb];
         for (b, block) in data.chunks_exact(Q8_0_BYTES).enumerate() {
             let scale = u16::from_le_bytes([block[0], block[1]]);
@@ -52,11 +101,38 @@ impl Q8Matrix {
             }
             d[b] = scale;
         }
-        Ok(Some(Q8Matrix { n, k, qs, d }))
+        Ok(Some(Q8Matrix::new(n, k, qs, d, isa.capped().amx())))
+    }
+
+    fn new(n: usize, k: usize, qs: Codes, d: Vec<u16>, amx: bool) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        let tile_d = if amx {
+            crate::q8_amx::tile_scales(&d, n, k / BLOCK)
+        } else {
+            Vec::new()
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let tile_d = Vec::new();
+        Q8Matrix {
+            n,
+            k,
+            qs,
+            d,
+            amx,
+            tile_d,
+        }
     }
 
     pub fn out_features(&self) -> usize {
         self.n
+    }
+
+    /// Whether [`Q8Matrix::matmul`] of `m` activation rows runs on AMX tiles: at
+    /// [`Isa::Amx`], from 16 rows (one full tile), for a matrix of 16 rows or more. Fewer
+    /// rows, the weight rows past the last multiple of 16, and lower levels run the VNNI
+    /// kernels.
+    pub fn uses_amx(&self, m: usize) -> bool {
+        cfg!(target_arch = "x86_64") && self.amx && m >= AMX_MIN_ROWS && self.n >= 16
     }
 
     /// `x` `(..., k)` f32 times this matrix transposed: `(..., n)`.
@@ -90,7 +166,12 @@ impl Q8Matrix {
             self.n,
             self.k
         );
-        let acts = QuantizedActs::new(x, m, self.k);
+        let acts = QuantizedActs::new(x, m, self.k, self.uses_amx(m));
+        #[cfg(target_arch = "x86_64")]
+        if let Some(tiles) = &acts.tiles {
+            self.matmul_amx(&acts, tiles, out);
+            return;
+        }
         let tiles = self.n.div_ceil(4);
         let out_ptr = out.as_mut_ptr() as usize;
         candle_core::utils::barrier_pool().execute_chunked(tiles, |range| {
@@ -98,6 +179,45 @@ impl Q8Matrix {
                 let j0 = tile * 4;
                 // SAFETY: each weight-row tile writes only its own output columns.
                 unsafe { self.tile_columns(&acts, j0, out_ptr as *mut f32) };
+            }
+        });
+    }
+
+    /// [`Q8Matrix::matmul`] on AMX tiles ([`Q8Matrix::uses_amx`]): whole 16-row weight
+    /// tiles there, the rows past them (fewer than 16) with the VNNI kernels, as one more
+    /// work item.
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_amx(&self, acts: &QuantizedActs, tile_acts: &TileActs, out: &mut [f32]) {
+        use crate::q8_amx::{weight_tiles, TILE};
+        let full = self.n / TILE;
+        let items = full + usize::from(!self.n.is_multiple_of(TILE));
+        let out_ptr = out.as_mut_ptr() as usize;
+        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+            let out = out_ptr as *mut f32;
+            let tiles = range.start..range.end.min(full);
+            if !tiles.is_empty() {
+                // SAFETY: `uses_amx` held, so this matrix was made at Isa::Amx (capped:
+                // detected here, with the tile permission granted); `acts` has m rows of
+                // width k and `out` m × n floats; each range of weight tiles writes only
+                // its own columns.
+                unsafe {
+                    weight_tiles(
+                        &self.qs,
+                        &self.tile_d,
+                        self.n,
+                        self.k,
+                        tile_acts,
+                        acts.m,
+                        tiles,
+                        out,
+                    )
+                };
+            }
+            if range.end > full {
+                for j0 in (full * TILE..self.n).step_by(4) {
+                    // SAFETY: as in `matmul`: columns past the AMX tiles, this item's.
+                    unsafe { self.tile_columns(acts, j0, out) };
+                }
             }
         });
     }
@@ -170,15 +290,29 @@ struct QuantizedActs {
     /// Per pair of blocks, the two scales each repeated 8 times: the 16 lanes of one
     /// 512-bit step of the multi-row kernel.
     d2: Vec<f32>,
+    /// The rows as AMX B tiles, where the matmul runs on AMX.
+    #[cfg(target_arch = "x86_64")]
+    tiles: Option<TileActs>,
 }
 
 impl QuantizedActs {
-    fn new(x: &[f32], m: usize, k: usize) -> Self {
+    /// `amx`: also repack the rows as AMX B tiles ([`Q8Matrix::uses_amx`]), in the same
+    /// parallel pass (one 16-row chunk is one tile).
+    fn new(x: &[f32], m: usize, k: usize, amx: bool) -> Self {
         let kb = k / BLOCK;
         let mut q = vec![0i8; m * k];
         let mut d = vec![0f32; m * kb];
         // Rows in parallel for prefill-sized inputs.
         const ROWS: usize = 16;
+        #[cfg(target_arch = "x86_64")]
+        let mut tiles = amx.then(|| TileActs::zeroed(m, k));
+        #[cfg(target_arch = "x86_64")]
+        let tile_parts = tiles.as_mut().map(|t| {
+            let (q, d) = t.parts();
+            (q as usize, d as usize)
+        });
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = amx;
         let (qp, dp) = (q.as_mut_ptr() as usize, d.as_mut_ptr() as usize);
         candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(ROWS), |range| {
             for chunk in range {
@@ -197,19 +331,49 @@ impl QuantizedActs {
                     )
                 };
                 quantize_blocks(&x[rows.start * k..rows.end * k], q, d);
+                #[cfg(target_arch = "x86_64")]
+                if let Some((tq, td)) = tile_parts {
+                    use crate::q8_amx::{B_BYTES, TILE};
+                    debug_assert_eq!(ROWS, TILE);
+                    // SAFETY: tile `chunk`'s parts of the TileActs (kb B tiles, kb × 16
+                    // scales; the TileActs holds m.div_ceil(16) tiles), written by this
+                    // chunk alone.
+                    let (tq, td) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(
+                                (tq as *mut i8).add(chunk * kb * B_BYTES),
+                                kb * B_BYTES,
+                            ),
+                            std::slice::from_raw_parts_mut(
+                                (td as *mut f32).add(chunk * kb * TILE),
+                                kb * TILE,
+                            ),
+                        )
+                    };
+                    crate::q8_amx::fill_tile(tq, td, q, d, k);
+                }
             }
         });
-        let d2 = if m > 1 && kb % 2 == 0 {
+        let d2 = if m > 1 && kb.is_multiple_of(2) {
             d.chunks_exact(2)
                 .flat_map(|p| [p[0]; 8].into_iter().chain([p[1]; 8]))
                 .collect()
         } else {
             Vec::new()
         };
-        QuantizedActs { m, q, d, d2 }
+        QuantizedActs {
+            m,
+            q,
+            d,
+            d2,
+            #[cfg(target_arch = "x86_64")]
+            tiles,
+        }
     }
 }
 
+// (Indexes acc[r] and the operands of row r alike: clearer as ranges.)
+#[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn kernel<const MR: usize>(
@@ -263,6 +427,8 @@ unsafe fn kernel<const MR: usize>(
 /// The multi-row tile two blocks (64 bytes) at a time in 512-bit registers: half the
 /// instructions of [`kernel`]. AVX-512 has no byte `sign`, so a·w is formed as
 /// |w| · (a negated where w < 0) with a mask.
+// (Indexes acc[r] and the operands of row r alike: clearer as ranges.)
+#[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn kernel512<const MR: usize>(
@@ -347,225 +513,6 @@ unsafe fn row_dot(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::Device;
-
-    /// Values in [-1, 1) from a seeded xorshift stream.
-    fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
-
-    /// The Q8_0 weights of `qt` `(n, k)` from its bytes, by the format's definition: per
-    /// 32-element block a little-endian f16 scale then 32 int8 codes. Returns the codes
-    /// and the scales (as f64).
-    fn weight_blocks(qt: &QTensor) -> (Vec<i8>, Vec<f64>) {
-        let data = qt.data().unwrap();
-        assert_eq!(data.len() % 34, 0);
-        let mut codes = Vec::new();
-        let mut scales = Vec::new();
-        for block in data.chunks_exact(34) {
-            scales.push(half::f16::from_bits(u16::from_le_bytes([block[0], block[1]])).to_f64());
-            codes.extend(block[2..].iter().map(|&b| b as i8));
-        }
-        (codes, scales)
-    }
-
-    /// Q8_0 activation quantization by its definition (llama.cpp's
-    /// `quantize_row_q8_0_ref`, in f32 as there): per 32-element block d = max|x| / 127,
-    /// codes round(x · (1 / d)) half away from zero (0 where d = 0). `f16_scale`: the
-    /// scale kept as f16, as candle's Q8_0 activation blocks store it (the VNNI kernel
-    /// keeps it in f32).
-    fn activation_blocks(x: &[f32], f16_scale: bool) -> (Vec<i8>, Vec<f64>) {
-        let mut codes = Vec::new();
-        let mut scales = Vec::new();
-        for block in x.chunks_exact(32) {
-            let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
-            codes.extend(block.iter().map(|v| (v * inv).round() as i8));
-            scales.push(if f16_scale {
-                half::f16::from_f32(d).to_f64()
-            } else {
-                d as f64
-            });
-        }
-        (codes, scales)
-    }
-
-    /// Every level this CPU runs dispatches as stated (the Q8_0 kernel at AVX-512 VNNI,
-    /// candle's matmul below it) and, at every level, `Linear::forward` on decode rows and
-    /// prefill tiles (shapes not multiples of the 4 × 4 tile, nor of the 16-row
-    /// quantization chunk; odd block counts take the 256-bit tile, even ones the 512-bit)
-    /// matches two independent f64 references built from the format's definition:
-    ///
-    /// 1. the quantized arithmetic itself, Σ_blocks d_w · d_a · Σ q_w q_a, with the
-    ///    activation blocks quantized by definition: within 1e-5 of the sum of the block
-    ///    terms' magnitudes (f32 accumulation over at most 20 blocks is ~25 ulps);
-    /// 2. the exact product of the dequantized weights (f16 scale × i8 code) with the
-    ///    unquantized activations, within the bound that int8 activation rounding gives:
-    ///    each activation moves by at most d_a / 2, and an f16 activation scale by a
-    ///    further 2^-11 relative, so |err| ≤ Σ |w| · (d_a / 2 · (1 + 2^-11) + 2^-11 |x|)
-    ///    (plus the same f32 accumulation slack).
-    #[test]
-    fn linear_matches_f64_references_at_every_level() {
-        let dev = Device::Cpu;
-        let shapes = [
-            (1, 13, 640), // decode, 20 blocks
-            (1, 1, 32),
-            (1, 301, 96),  // decode, odd block count
-            (5, 64, 64),   // 512-bit tile, one row left over
-            (9, 30, 256),  // 512-bit tile, two weight rows left over
-            (3, 7, 96),    // 256-bit tile (odd block count)
-            (6, 1, 32),    // 256-bit tile, a single weight row
-            (19, 45, 640), // prefill: two quantization chunks, three rows left over
-            (34, 9, 160),  // 256-bit tile over three quantization chunks
-        ];
-        let levels = Isa::supported();
-        assert_eq!(levels[0], Isa::Portable);
-        for &isa in &levels {
-            for (si, &(m, n, k)) in shapes.iter().enumerate() {
-                let seed = 100 * si as u64;
-                let w = Tensor::from_vec(data(n * k, seed + 1), (n, k), &dev).unwrap();
-                let qt = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
-                let (wq, wd) = weight_blocks(&qt);
-                let mut x = data(m * k, seed + 2);
-                // A zero block (scale 0) and a block of one large value among small ones.
-                x[..32].fill(0.0);
-                if k >= 64 {
-                    x[32..64].iter_mut().for_each(|v| *v *= 1e-3);
-                    x[40] = 30.0;
-                }
-                let lin = Linear::new(qt, false, isa).unwrap();
-                let q8 = isa == Isa::Avx512Vnni;
-                assert_eq!(matches!(lin, Linear::Q8(_)), q8, "{isa}: dispatch");
-                let xt = Tensor::from_vec(x.clone(), (1, m, k), &dev).unwrap();
-                let out = lin.forward(&xt).unwrap();
-                assert_eq!(out.dims(), &[1, m, n], "{isa}");
-                let got: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
-                let (aq, ad) = activation_blocks(&x, !q8);
-                let kb = k / 32;
-                for i in 0..m {
-                    for j in 0..n {
-                        let (mut quantized, mut magnitude) = (0f64, 0f64);
-                        let (mut exact, mut bound, mut abs) = (0f64, 0f64, 0f64);
-                        for b in 0..kb {
-                            let (dw, da) = (wd[j * kb + b], ad[i * kb + b]);
-                            let xs = &x[i * k + b * 32..i * k + (b + 1) * 32];
-                            // The block's activation scale in exact arithmetic.
-                            let d_exact =
-                                xs.iter().fold(0f64, |a, v| a.max(v.abs() as f64)) / 127.0;
-                            let mut dot = 0i64;
-                            for (t, &xv) in xs.iter().enumerate() {
-                                let (we, xe) = (j * k + b * 32 + t, i * k + b * 32 + t);
-                                let (wv, xv) = (wq[we] as f64 * dw, xv as f64);
-                                dot += wq[we] as i64 * aq[xe] as i64;
-                                exact += wv * xv;
-                                abs += (wv * xv).abs();
-                                bound += wv.abs()
-                                    * (d_exact / 2.0 * (1.0 + 2f64.powi(-11))
-                                        + 2f64.powi(-11) * xv.abs());
-                            }
-                            let term = dw * da * dot as f64;
-                            quantized += term;
-                            magnitude += term.abs();
-                        }
-                        let g = got[i * n + j] as f64;
-                        assert!(
-                            (g - quantized).abs() <= 1e-5 * magnitude + 1e-12,
-                            "{isa} (m {m} n {n} k {k}) [{i},{j}]: {g} vs quantized reference {quantized}"
-                        );
-                        let tol = bound * (1.0 + 1e-4) + 1e-5 * (abs + magnitude) + 1e-12;
-                        assert!(
-                            (g - exact).abs() <= tol,
-                            "{isa} (m {m} n {n} k {k}) [{i},{j}]: {g} vs exact {exact} (bound {tol})"
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    /// Parts of one type and width stack into one matmul whose split output equals the
-    /// separate matmuls' bit for bit, at every level (Q8_0 parts: the repacked kernel at
-    /// AVX-512 VNNI, candle below); mixed types stay separate; no parts is no stack.
-    #[test]
-    fn projections_stack_exactly_at_every_level() {
-        let dev = Device::Cpu;
-        let k = 96;
-        let widths = [40, 8, 24];
-        let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
-        for isa in Isa::supported() {
-            let part = |n: usize, seed: u64, dtype: GgmlDType| {
-                let w = Tensor::from_vec(data(n * k, seed), (n, k), &dev).unwrap();
-                Linear::new(QTensor::quantize(&w, dtype).unwrap(), false, isa).unwrap()
-            };
-            let make = |dtypes: [GgmlDType; 3]| -> Vec<Linear> {
-                (0..3)
-                    .map(|i| part(widths[i], 11 + i as u64, dtypes[i]))
-                    .collect()
-            };
-            for m in [1, 5] {
-                let x = Tensor::from_vec(data(m * k, 9), (1, m, k), &dev).unwrap();
-                for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0] {
-                    let parts = make([dtype; 3]);
-                    let separate: Vec<Tensor> =
-                        parts.iter().map(|p| p.forward(&x).unwrap()).collect();
-                    let stacked = Projections::new(make([dtype; 3])).unwrap();
-                    let Projections::Stacked { matrix, .. } = &stacked else {
-                        panic!("{isa} {dtype:?}: not stacked");
-                    };
-                    let q8 = isa == Isa::Avx512Vnni && dtype == GgmlDType::Q8_0;
-                    assert_eq!(matches!(matrix, Linear::Q8(_)), q8, "{isa} {dtype:?}");
-                    let outs = stacked.forward(&x).unwrap();
-                    assert_eq!(outs.len(), 3);
-                    for ((got, want), n) in outs.iter().zip(&separate).zip(widths) {
-                        assert_eq!(got.dims(), &[1, m, n]);
-                        assert_eq!(flat(got), flat(want), "{isa} {dtype:?} m {m}");
-                    }
-                    // Biases: added to the stack before the split, or per part, alike.
-                    let total: usize = widths.iter().sum();
-                    let bias = Tensor::from_vec(data(total, 5), total, &dev).unwrap();
-                    let unstacked = Projections::Separate(make([dtype; 3]));
-                    let a = stacked.forward_biased(&x, Some(&bias)).unwrap();
-                    let b = unstacked.forward_biased(&x, Some(&bias)).unwrap();
-                    let mut start = 0;
-                    for ((got, other), (want, n)) in
-                        a.iter().zip(&b).zip(separate.iter().zip(widths))
-                    {
-                        let part = bias.narrow(0, start, n).unwrap();
-                        start += n;
-                        let want = flat(&want.broadcast_add(&part).unwrap());
-                        assert_eq!(flat(got), want, "{isa} {dtype:?} m {m} biased");
-                        assert_eq!(flat(other), want, "{isa} {dtype:?} m {m} biased, separate");
-                    }
-                    let short = bias.narrow(0, 0, total - 1).unwrap();
-                    assert!(stacked.forward_biased(&x, Some(&short)).is_err());
-                    assert!(unstacked.forward_biased(&x, Some(&short)).is_err());
-                }
-            }
-            let mixed = [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4_0];
-            assert!(matches!(
-                Projections::new(make(mixed)).unwrap(),
-                Projections::Separate(_)
-            ));
-            assert!(matches!(
-                Projections::new(Vec::new()).unwrap(),
-                Projections::Separate(p) if p.is_empty()
-            ));
-        }
-    }
-}
-
 impl Q8Matrix {
     /// The rows of `parts` stacked into one matrix (all of one width), so projections that
     /// read the same input run as one matmul: one activation quantization, one dispatch.
@@ -577,13 +524,16 @@ impl Q8Matrix {
             candle_core::bail!("Q8Matrix::stack: widths {k} and {} differ", p.k);
         }
         let n = parts.iter().map(|p| p.n).sum();
-        let mut qs = Vec::with_capacity(n * k);
+        let amx = parts.iter().all(|p| p.amx);
+        let mut qs = Codes::zeroed(n * k);
         let mut d = Vec::with_capacity(n * k / BLOCK);
+        let mut at = 0;
         for p in parts {
-            qs.extend_from_slice(&p.qs);
+            qs[at..at + p.qs.len()].copy_from_slice(&p.qs);
+            at += p.qs.len();
             d.extend_from_slice(&p.d);
         }
-        Ok(Q8Matrix { n, k, qs, d })
+        Ok(Q8Matrix::new(n, k, qs, d, amx))
     }
 
     /// Row `j` dequantized: an embedding lookup on a tied matrix.
@@ -623,6 +573,18 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Q8(m) => m.forward(x),
+            Linear::Candle(candle_core::quantized::QMatMul::Tensor(_))
+                if x.device().is_cpu() && x.rank() == 3 && x.dim(0)? > 1 && x.dim(1)? == 1 =>
+            {
+                // f32 weights are the reference: a decode step of several rows multiplies
+                // each row on its own, so a row's logits do not depend on its neighbours
+                // (the f32 matmul sums in a different order for one row than for several,
+                // and a last-bit change can flip a quantized cache's code).
+                let rows = (0..x.dim(0)?)
+                    .map(|r| self.forward(&x.narrow(0, r, 1)?))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 0)
+            }
             Linear::Candle(m) => candle_core::Module::forward(m, x),
         }
     }
@@ -763,6 +725,358 @@ impl Projections {
                         part
                     })
                     .collect()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Values in [-1, 1) from a seeded xorshift stream.
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// The Q8_0 weights of `qt` `(n, k)` from its bytes, by the format's definition: per
+    /// 32-element block a little-endian f16 scale then 32 int8 codes. Returns the codes
+    /// and the scales (as f64).
+    fn weight_blocks(qt: &QTensor) -> (Vec<i8>, Vec<f64>) {
+        let data = qt.data().unwrap();
+        assert_eq!(data.len() % 34, 0);
+        let mut codes = Vec::new();
+        let mut scales = Vec::new();
+        for block in data.chunks_exact(34) {
+            scales.push(half::f16::from_bits(u16::from_le_bytes([block[0], block[1]])).to_f64());
+            codes.extend(block[2..].iter().map(|&b| b as i8));
+        }
+        (codes, scales)
+    }
+
+    /// Q8_0 activation quantization by its definition (llama.cpp's
+    /// `quantize_row_q8_0_ref`, in f32 as there): per 32-element block d = max|x| / 127,
+    /// codes round(x · (1 / d)) half away from zero (0 where d = 0). `f16_scale`: the
+    /// scale kept as f16, as candle's Q8_0 activation blocks store it (the VNNI kernel
+    /// keeps it in f32).
+    fn activation_blocks(x: &[f32], f16_scale: bool) -> (Vec<i8>, Vec<f64>) {
+        let mut codes = Vec::new();
+        let mut scales = Vec::new();
+        for block in x.chunks_exact(32) {
+            let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+            codes.extend(block.iter().map(|v| (v * inv).round() as i8));
+            scales.push(if f16_scale {
+                half::f16::from_f32(d).to_f64()
+            } else {
+                d as f64
+            });
+        }
+        (codes, scales)
+    }
+
+    /// Every level this CPU runs dispatches as stated (the Q8_0 kernel at AVX-512 VNNI,
+    /// candle's matmul below it) and, at every level, `Linear::forward` on decode rows and
+    /// prefill tiles (shapes not multiples of the 4 × 4 tile, nor of the 16-row
+    /// quantization chunk; odd block counts take the 256-bit tile, even ones the 512-bit)
+    /// matches two independent f64 references built from the format's definition:
+    ///
+    /// 1. the quantized arithmetic itself, Σ_blocks d_w · d_a · Σ q_w q_a, with the
+    ///    activation blocks quantized by definition: within 1e-5 of the sum of the block
+    ///    terms' magnitudes (f32 accumulation over at most 20 blocks is ~25 ulps);
+    /// 2. the exact product of the dequantized weights (f16 scale × i8 code) with the
+    ///    unquantized activations, within the bound that int8 activation rounding gives:
+    ///    each activation moves by at most d_a / 2, and an f16 activation scale by a
+    ///    further 2^-11 relative, so |err| ≤ Σ |w| · (d_a / 2 · (1 + 2^-11) + 2^-11 |x|)
+    ///    (plus the same f32 accumulation slack).
+    #[test]
+    fn linear_matches_f64_references_at_every_level() {
+        let dev = Device::Cpu;
+        let shapes = [
+            (1, 13, 640), // decode, 20 blocks
+            (1, 1, 32),
+            (1, 301, 96),  // decode, odd block count
+            (5, 64, 64),   // 512-bit tile, one row left over
+            (9, 30, 256),  // 512-bit tile, two weight rows left over
+            (3, 7, 96),    // 256-bit tile (odd block count)
+            (6, 1, 32),    // 256-bit tile, a single weight row
+            (19, 45, 640), // prefill: two quantization chunks, three rows left over
+            (34, 9, 160),  // 256-bit tile over three quantization chunks
+        ];
+        let levels = Isa::supported();
+        assert_eq!(levels[0], Isa::Portable);
+        for &isa in &levels {
+            for (si, &(m, n, k)) in shapes.iter().enumerate() {
+                let seed = 100 * si as u64;
+                let w = Tensor::from_vec(data(n * k, seed + 1), (n, k), &dev).unwrap();
+                let qt = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+                let (wq, wd) = weight_blocks(&qt);
+                let mut x = data(m * k, seed + 2);
+                // A zero block (scale 0) and a block of one large value among small ones.
+                x[..32].fill(0.0);
+                if k >= 64 {
+                    x[32..64].iter_mut().for_each(|v| *v *= 1e-3);
+                    x[40] = 30.0;
+                }
+                let lin = Linear::new(qt, false, isa).unwrap();
+                let q8 = isa.vnni();
+                assert_eq!(matches!(lin, Linear::Q8(_)), q8, "{isa}: dispatch");
+                let xt = Tensor::from_vec(x.clone(), (1, m, k), &dev).unwrap();
+                let out = lin.forward(&xt).unwrap();
+                assert_eq!(out.dims(), &[1, m, n], "{isa}");
+                let got: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+                let (aq, ad) = activation_blocks(&x, !q8);
+                let kb = k / 32;
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut quantized, mut magnitude) = (0f64, 0f64);
+                        let (mut exact, mut bound, mut abs) = (0f64, 0f64, 0f64);
+                        for b in 0..kb {
+                            let (dw, da) = (wd[j * kb + b], ad[i * kb + b]);
+                            let xs = &x[i * k + b * 32..i * k + (b + 1) * 32];
+                            // The block's activation scale in exact arithmetic.
+                            let d_exact =
+                                xs.iter().fold(0f64, |a, v| a.max(v.abs() as f64)) / 127.0;
+                            let mut dot = 0i64;
+                            for (t, &xv) in xs.iter().enumerate() {
+                                let (we, xe) = (j * k + b * 32 + t, i * k + b * 32 + t);
+                                let (wv, xv) = (wq[we] as f64 * dw, xv as f64);
+                                dot += wq[we] as i64 * aq[xe] as i64;
+                                exact += wv * xv;
+                                abs += (wv * xv).abs();
+                                bound += wv.abs()
+                                    * (d_exact / 2.0 * (1.0 + 2f64.powi(-11))
+                                        + 2f64.powi(-11) * xv.abs());
+                            }
+                            let term = dw * da * dot as f64;
+                            quantized += term;
+                            magnitude += term.abs();
+                        }
+                        let g = got[i * n + j] as f64;
+                        assert!(
+                            (g - quantized).abs() <= 1e-5 * magnitude + 1e-12,
+                            "{isa} (m {m} n {n} k {k}) [{i},{j}]: {g} vs quantized reference {quantized}"
+                        );
+                        let tol = bound * (1.0 + 1e-4) + 1e-5 * (abs + magnitude) + 1e-12;
+                        assert!(
+                            (g - exact).abs() <= tol,
+                            "{isa} (m {m} n {n} k {k}) [{i},{j}]: {g} vs exact {exact} (bound {tol})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Parts of one type and width stack into one matmul whose split output equals the
+    /// separate matmuls' bit for bit, at every level (Q8_0 parts: the repacked kernel at
+    /// AVX-512 VNNI, candle below); mixed types stay separate; no parts is no stack.
+    #[test]
+    fn projections_stack_exactly_at_every_level() {
+        let dev = Device::Cpu;
+        let k = 96;
+        let widths = [40, 8, 24];
+        let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+        for isa in Isa::supported() {
+            let part = |n: usize, seed: u64, dtype: GgmlDType| {
+                let w = Tensor::from_vec(data(n * k, seed), (n, k), &dev).unwrap();
+                Linear::new(QTensor::quantize(&w, dtype).unwrap(), false, isa).unwrap()
+            };
+            let make = |dtypes: [GgmlDType; 3]| -> Vec<Linear> {
+                (0..3)
+                    .map(|i| part(widths[i], 11 + i as u64, dtypes[i]))
+                    .collect()
+            };
+            for m in [1, 5] {
+                let x = Tensor::from_vec(data(m * k, 9), (1, m, k), &dev).unwrap();
+                for dtype in [GgmlDType::Q4_0, GgmlDType::Q8_0] {
+                    let parts = make([dtype; 3]);
+                    let separate: Vec<Tensor> =
+                        parts.iter().map(|p| p.forward(&x).unwrap()).collect();
+                    let stacked = Projections::new(make([dtype; 3])).unwrap();
+                    let Projections::Stacked { matrix, .. } = &stacked else {
+                        panic!("{isa} {dtype:?}: not stacked");
+                    };
+                    let q8 = isa.vnni() && dtype == GgmlDType::Q8_0;
+                    assert_eq!(matches!(matrix, Linear::Q8(_)), q8, "{isa} {dtype:?}");
+                    let outs = stacked.forward(&x).unwrap();
+                    assert_eq!(outs.len(), 3);
+                    for ((got, want), n) in outs.iter().zip(&separate).zip(widths) {
+                        assert_eq!(got.dims(), &[1, m, n]);
+                        assert_eq!(flat(got), flat(want), "{isa} {dtype:?} m {m}");
+                    }
+                    // Biases: added to the stack before the split, or per part, alike.
+                    let total: usize = widths.iter().sum();
+                    let bias = Tensor::from_vec(data(total, 5), total, &dev).unwrap();
+                    let unstacked = Projections::Separate(make([dtype; 3]));
+                    let a = stacked.forward_biased(&x, Some(&bias)).unwrap();
+                    let b = unstacked.forward_biased(&x, Some(&bias)).unwrap();
+                    let mut start = 0;
+                    for ((got, other), (want, n)) in
+                        a.iter().zip(&b).zip(separate.iter().zip(widths))
+                    {
+                        let part = bias.narrow(0, start, n).unwrap();
+                        start += n;
+                        let want = flat(&want.broadcast_add(&part).unwrap());
+                        assert_eq!(flat(got), want, "{isa} {dtype:?} m {m} biased");
+                        assert_eq!(flat(other), want, "{isa} {dtype:?} m {m} biased, separate");
+                    }
+                    let short = bias.narrow(0, 0, total - 1).unwrap();
+                    assert!(stacked.forward_biased(&x, Some(&short)).is_err());
+                    assert!(unstacked.forward_biased(&x, Some(&short)).is_err());
+                }
+            }
+            let mixed = [GgmlDType::Q4_0, GgmlDType::Q8_0, GgmlDType::Q4_0];
+            assert!(matches!(
+                Projections::new(make(mixed)).unwrap(),
+                Projections::Separate(_)
+            ));
+            assert!(matches!(
+                Projections::new(Vec::new()).unwrap(),
+                Projections::Separate(p) if p.is_empty()
+            ));
+        }
+    }
+    /// A Q8_0 matrix `(n, k)` of random codes (the whole i8 range) and random f16 scales
+    /// of both signs, repacked at `isa`.
+    fn random_q8(n: usize, k: usize, seed: u64, isa: Isa) -> Option<Q8Matrix> {
+        let codes = data(n * k, seed);
+        let scales = data(n * k / 32, seed + 1);
+        let mut bytes = Vec::with_capacity(n * k / 32 * 34);
+        for (block, s) in codes.chunks_exact(32).zip(&scales) {
+            bytes.extend(half::f16::from_f32(s * 0.02).to_bits().to_le_bytes());
+            bytes.extend(block.iter().map(|v| ((v * 128.0).floor() as i8) as u8));
+        }
+        let storage = QStorage::from_data(
+            std::borrow::Cow::Owned(bytes),
+            &Device::Cpu,
+            GgmlDType::Q8_0,
+        )
+        .unwrap();
+        let qt = QTensor::new(storage, (n, k)).unwrap();
+        Q8Matrix::from_qtensor(&qt, isa).unwrap()
+    }
+
+    /// At the detected level, `Q8Matrix::matmul` of 16 or more rows (the AMX tiles where
+    /// AMX is detected; n past a multiple of 16, m past a multiple of 16 and k of one block,
+    /// of one k chunk and of two, the second short (1312 = 41 blocks), included) matches an
+    /// f64 reference from the definition (activations quantized by definition, exact
+    /// integer block dots, times both scales) and the VNNI kernel, both within 1e-5 of
+    /// Σ |d_w d_a q_w q_a| (the VNNI kernel's partial sums per lane can cancel, so the
+    /// block terms' magnitudes alone do not bound it). The AMX path runs exactly where AMX
+    /// is detected, and never capped to AVX-512 VNNI; where the CPU has no AVX-512 VNNI
+    /// there is no Q8Matrix to test.
+    #[test]
+    fn amx_matmul_matches_reference_and_vnni() {
+        let top = Isa::detected();
+        for (si, &k) in [32, 640, 1312, 2048].iter().enumerate() {
+            for (ni, &n) in [16, 40, 640, 2048].iter().enumerate() {
+                let seed = 1000 * si as u64 + 100 * ni as u64;
+                let Some(w) = random_q8(n, k, seed, top) else {
+                    // Only where the CPU has no AVX-512 VNNI, so no Q8Matrix at all.
+                    assert!(!top.vnni(), "{top}: no Q8Matrix");
+                    continue;
+                };
+                let vnni = random_q8(n, k, seed, Isa::Avx512Vnni).unwrap();
+                let (wq, wd) = (&w.qs, &w.d);
+                let kb = k / 32;
+                for m in [16, 17, 33, 64, 512] {
+                    assert_eq!(w.uses_amx(m), top == Isa::Amx, "{top} m {m} n {n}");
+                    assert!(!vnni.uses_amx(m));
+                    let mut x: Vec<f32> = data(m * k, seed + 7 + m as u64)
+                        .into_iter()
+                        .map(|v| v * 3.0)
+                        .collect();
+                    x[..32].fill(0.0);
+                    let (aq, ad) = activation_blocks(&x, false);
+                    let mut got = vec![0f32; m * n];
+                    w.matmul(&x, m, &mut got);
+                    let mut other = vec![0f32; m * n];
+                    vnni.matmul(&x, m, &mut other);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let (mut want, mut magnitude) = (0f64, 0f64);
+                            for b in 0..kb {
+                                let (wb, ab) = (j * k + b * 32, i * k + b * 32);
+                                let (mut dot, mut abs) = (0i64, 0i64);
+                                for t in 0..32 {
+                                    let p = wq[wb + t] as i64 * aq[ab + t] as i64;
+                                    dot += p;
+                                    abs += p.abs();
+                                }
+                                let dw = half::f16::from_bits(wd[j * kb + b]).to_f64();
+                                let scale = dw * ad[i * kb + b];
+                                want += scale * dot as f64;
+                                magnitude += (scale * abs as f64).abs();
+                            }
+                            let tol = 1e-5 * magnitude + 1e-12;
+                            let (g, v) = (got[i * n + j] as f64, other[i * n + j] as f64);
+                            assert!(
+                                (g - want).abs() <= tol,
+                                "{top} (m {m} n {n} k {k}) [{i},{j}]: {g} vs reference {want}"
+                            );
+                            assert!(
+                                (g - v).abs() <= tol,
+                                "{top} (m {m} n {n} k {k}) [{i},{j}]: {g} vs VNNI {v}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// GFLOP/s of the VNNI kernel and the AMX tiles on Gemma 3 270M's shapes (run with
+    /// `--ignored --nocapture`; the AMX rows only where AMX is detected). `warm`: one
+    /// matrix again and again (in cache if it fits); `cold`: cycling through copies of
+    /// 192 MB in all, as a forward pass streams its weights from memory.
+    #[test]
+    #[ignore]
+    fn q8_matmul_speed() {
+        let top = Isa::detected();
+        for (n, k) in [(262_144, 640), (2048, 640), (640, 2048)] {
+            let copies = (192_000_000 / (n * k)).max(1);
+            let mut ws: Vec<Q8Matrix> = (0..copies)
+                .filter_map(|c| random_q8(n, k, 1 + c as u64, top))
+                .collect();
+            if ws.is_empty() {
+                return;
+            }
+            for m in [16, 64, 512] {
+                let x = data(m * k, 2);
+                let mut out = vec![0f32; m * n];
+                for amx in [false, true] {
+                    if amx && top != Isa::Amx {
+                        continue;
+                    }
+                    ws.iter_mut().for_each(|w| w.amx = amx);
+                    let reps = (4e10 / (2.0 * (m * n * k) as f64)).clamp(2.0, 400.0) as usize;
+                    let mut line = format!(
+                        "{} m {m:4} n {n:6} k {k:4}:",
+                        if amx { "amx " } else { "vnni" }
+                    );
+                    for (label, count) in [("warm", 1), ("cold", ws.len())] {
+                        ws[0].matmul(&x, m, &mut out);
+                        let start = std::time::Instant::now();
+                        for r in 0..reps {
+                            ws[r % count].matmul(&x, m, &mut out);
+                        }
+                        let s = start.elapsed().as_secs_f64() / reps as f64;
+                        let gflops = 2.0 * (m * n * k) as f64 / s / 1e9;
+                        line += &format!("  {label} {:8.3} ms {gflops:7.1} GFLOP/s", s * 1e3);
+                    }
+                    println!("{line}");
+                }
             }
         }
     }

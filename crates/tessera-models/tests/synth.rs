@@ -122,10 +122,13 @@ fn tiny_gemma3_loads_tokenizes_and_runs() {
     let (f32_model, _) = Model::load(&path, &dequantized, &Device::Cpu).unwrap();
     compare_cached_with_uncached(&f32_model, &ids, 2e-5);
     // The quantized model too: there the two paths' activations may also round to
-    // neighbouring int8 codes in the quantized matmuls, each such step moving an output by
-    // max|x| / 127 times one weight; measured 2e-7 of the logit scale (no step taken), the
-    // bound allows a few.
-    compare_cached_with_uncached(&model, &ids, 2e-3);
+    // neighbouring int8 codes in the quantized matmuls (the decode steps' one-row kernel and
+    // the whole-sequence reference's multi-row kernel sum in different orders; at the AMX
+    // level the two are different instructions altogether), each such step moving an
+    // output by max|x| / 127 times one weight, and attention carries it on. Measured: 2e-7
+    // of the logit scale with no step taken (VNNI), 6.3e-3 after one flip at position 67
+    // (AMX); a cache that reads a wrong position moves the logits by O(1).
+    compare_cached_with_uncached(&model, &ids, 1.5e-2);
     // The same seed writes the same file; another seed does not.
     let again = dir.join("again.gguf");
     write_model(&shape, parse_dtype("q8_0").unwrap(), 7, &again).unwrap();

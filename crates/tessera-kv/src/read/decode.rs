@@ -730,7 +730,7 @@ pub(crate) mod tests {
             let (wide, narrow) = match isa {
                 Isa::Portable => (Tiles::Portable, Tiles::Portable),
                 Isa::Avx2 => (Tiles::Avx2, Tiles::Avx2),
-                Isa::Avx512 | Isa::Avx512Vnni => (Tiles::Avx512, Tiles::Avx2),
+                Isa::Avx512 | Isa::Avx512Vnni | Isa::Amx => (Tiles::Avx512, Tiles::Avx2),
             };
             assert_eq!(Tiles::new(isa, 64, 256), wide, "{isa}");
             assert_eq!(Tiles::new(isa, 64, 48), narrow, "{isa}");
