@@ -114,6 +114,11 @@ impl Sampler {
 
     fn pick(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let c = &self.config;
+        if c.temperature <= 0.0 && c.repetition_penalty == 1.0 && self.picked.is_empty() {
+            // Greedy with nothing to penalize: no copy of the vocabulary's logits (a
+            // megabyte per row per step at Gemma's 262k).
+            return argmax(logits);
+        }
         let mut logits = logits.to_vec();
         for (&id, &count) in &self.picked {
             if let Some(l) = logits.get_mut(id as usize) {
