@@ -14,6 +14,10 @@
 #   e2e8b   synthetic Llama-3-8B (every layer global): batch 1 and 16 at 32k, batch 1 at 128k
 #           (E2E8B_RUNS: "BATCH:DEPTH ..." instead; E2E8B_GEN tokens, 32; E2E8B_BINS: the
 #           carried tessera binaries to run in turn, "tessera"; E2E8B_KVS, "bf16 affine:4")
+#   serve8b tessera serve --device cuda, synthetic Llama-3-8B, bench/load.py at 1, 16, 64
+#           concurrent (openai wheels carried in .device/wheels), then bench --batch 1/16/64
+#           (SERVE8B_CONC: the concurrencies; SERVE8B_LOAD: load.py's prompt/output flags;
+#           SERVE8B_GEN: bench's --gen-tokens)
 #   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
 #   real    tessera bench on the staged real Gemma 3 270M file ($STAGED)
 #   realeval  eval (decode regime) of the staged file, --device cpu vs cuda
@@ -87,6 +91,29 @@ for step in "$@"; do
           $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
             --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens 2048 --repeat 1 --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
         done; done
+      done ;;
+    serve8b)
+      # tessera serve --device cuda on the synthetic Llama-3-8B under bench/load.py (the
+      # openai client, carried as wheels in .device/wheels), then tessera bench --batch at
+      # the same batch sizes: what the server's own bookkeeping costs.
+      log serve8b; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      python3 -m pip install -q --no-index --find-links .device/wheels --target /tmp/pylib openai
+      export PYTHONPATH=/tmp/pylib
+      $T serve --model /tmp/llama3-8b.gguf --device cuda --port 18080 --max-batch 64 \
+        --max-queue 256 2>$OUT/serve8b-server.txt & SP=$!
+      python3 -c 'import time,urllib.request as u
+for _ in range(600):
+    try: u.urlopen("http://127.0.0.1:18080/health", timeout=2); break
+    except OSError: time.sleep(0.5)'
+      for c in ${SERVE8B_CONC:-1 16 64}; do
+        python3 bench/load.py --base-url http://127.0.0.1:18080/v1 --corpus .device/text.txt \
+          --concurrency $c --requests $(( c < 4 ? 4 : c )) ${SERVE8B_LOAD:---prompt-words 200 --max-tokens 64} \
+          --label "serve cuda" --metrics-url http://127.0.0.1:18080/metrics 2>&1 | tee -a $OUT/serve8b.txt
+      done
+      kill $SP; wait $SP || true
+      for c in ${SERVE8B_CONC:-1 16 64}; do
+        $T bench --model /tmp/llama3-8b.gguf --device cuda --batch $c --prompt-tokens 256 \
+          --gen-tokens ${SERVE8B_GEN:-64} --repeat 1 2>&1 | tee -a $OUT/serve8b.txt
       done ;;
     stage)
       mkdir -p $(dirname $STAGED)

@@ -146,8 +146,16 @@ impl Q8Matrix {
         }
         let m = x.elem_count() / k;
         let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
-        let mut out = vec![0f32; m * self.n];
-        self.matmul(&xs, m, &mut out);
+        // Not zeroed first: the kernels write every one of the m × n outputs (the tests
+        // check that on NaN-filled buffers), and zeroing a batch's logits buffer (64 rows ×
+        // 262k columns is 67 MB) costs a memset per step.
+        let mut out: Vec<f32> = Vec::with_capacity(m * self.n);
+        // SAFETY: the spare capacity holds m × n floats; `matmul_into` writes each of them
+        // (and reads none) before `set_len` exposes them.
+        unsafe {
+            self.matmul_into(&xs, m, out.as_mut_ptr());
+            out.set_len(m * self.n);
+        }
         let mut out_dims = dims;
         out_dims.pop();
         out_dims.push(self.n);
@@ -158,10 +166,27 @@ impl Q8Matrix {
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
         // The tiles write through raw pointers: the lengths are what keeps them in bounds.
         assert!(
-            x.len() == m * self.k && out.len() == m * self.n,
-            "Q8Matrix::matmul: x of {} and out of {} for ({m}, {}) · ({}, {})ᵀ",
-            x.len(),
+            out.len() == m * self.n,
+            "Q8Matrix::matmul: out of {} for ({m}, {}) · ({}, {})ᵀ",
             out.len(),
+            self.k,
+            self.n,
+            self.k
+        );
+        // SAFETY: `out` holds the m × n floats checked above.
+        unsafe { self.matmul_into(x, m, out.as_mut_ptr()) }
+    }
+
+    /// [`Q8Matrix::matmul`] into `out`, which must have room for m × n floats; writes every
+    /// one of them.
+    ///
+    /// # Safety
+    /// `out` must be valid for writes of `m * n` floats.
+    unsafe fn matmul_into(&self, x: &[f32], m: usize, out: *mut f32) {
+        assert!(
+            x.len() == m * self.k,
+            "Q8Matrix::matmul: x of {} for ({m}, {}) · ({}, {})ᵀ",
+            x.len(),
             self.k,
             self.n,
             self.k
@@ -173,7 +198,7 @@ impl Q8Matrix {
             return;
         }
         let tiles = self.n.div_ceil(4);
-        let out_ptr = out.as_mut_ptr() as usize;
+        let out_ptr = out as usize;
         candle_core::utils::barrier_pool().execute_chunked(tiles, |range| {
             for tile in range {
                 let j0 = tile * 4;
@@ -187,11 +212,12 @@ impl Q8Matrix {
     /// tiles there, the rows past them (fewer than 16) with the VNNI kernels, as one more
     /// work item.
     #[cfg(target_arch = "x86_64")]
-    fn matmul_amx(&self, acts: &QuantizedActs, tile_acts: &TileActs, out: &mut [f32]) {
+    /// `out` must be valid for writes of m × n floats.
+    fn matmul_amx(&self, acts: &QuantizedActs, tile_acts: &TileActs, out: *mut f32) {
         use crate::q8_amx::{weight_tiles, TILE};
         let full = self.n / TILE;
         let items = full + usize::from(!self.n.is_multiple_of(TILE));
-        let out_ptr = out.as_mut_ptr() as usize;
+        let out_ptr = out as usize;
         candle_core::utils::barrier_pool().execute_chunked(items, |range| {
             let out = out_ptr as *mut f32;
             let tiles = range.start..range.end.min(full);
@@ -990,8 +1016,9 @@ mod tests {
                 let vnni = random_q8(n, k, seed, Isa::Avx512Vnni).unwrap();
                 let (wq, wd) = (&w.qs, &w.d);
                 let kb = k / 32;
-                for m in [16, 17, 33, 64, 512] {
-                    assert_eq!(w.uses_amx(m), top == Isa::Amx, "{top} m {m} n {n}");
+                for m in [1, 5, 16, 17, 33, 64, 512] {
+                    let amx = top == Isa::Amx && m >= 16;
+                    assert_eq!(w.uses_amx(m), amx, "{top} m {m} n {n}");
                     assert!(!vnni.uses_amx(m));
                     let mut x: Vec<f32> = data(m * k, seed + 7 + m as u64)
                         .into_iter()
@@ -999,9 +1026,10 @@ mod tests {
                         .collect();
                     x[..32].fill(0.0);
                     let (aq, ad) = activation_blocks(&x, false);
-                    let mut got = vec![0f32; m * n];
+                    // NaN-filled: an output the kernel does not write fails the comparison.
+                    let mut got = vec![f32::NAN; m * n];
                     w.matmul(&x, m, &mut got);
-                    let mut other = vec![0f32; m * n];
+                    let mut other = vec![f32::NAN; m * n];
                     vnni.matmul(&x, m, &mut other);
                     for i in 0..m {
                         for j in 0..n {
