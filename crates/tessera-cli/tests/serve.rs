@@ -1,187 +1,16 @@
 //! `tessera serve` end to end: the real binary on 127.0.0.1 with the default model, driven
 //! by a small HTTP/1.1 client over `TcpStream`; every server is killed when its test ends.
 
+mod common;
+
+use common::{completion, model, sse_events, Response, Server, KEY};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::Duration;
 
-const KEY: &str = "sk-test-key";
 const PROMPT: &str = "The capital of France is";
-
-fn model() -> PathBuf {
-    std::env::var_os("TESSERA_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(tessera_engine::store::default_model_path)
-}
-
-/// A running `tessera serve`, killed (by its pid) on drop.
-struct Server {
-    child: Child,
-    port: u16,
-    key: Option<&'static str>,
-}
-
-impl Server {
-    fn start(extra: &[&str]) -> Server {
-        let model = model();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["serve", "--port", "0", "--model", model.to_str().unwrap()])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("tessera serve starts");
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                let _ = tx.send(line);
-            }
-        });
-        let key = extra.iter().position(|&a| a == "--api-key").map(|_| KEY);
-        let mut server = Server {
-            child,
-            port: 0,
-            key,
-        };
-        let mut seen = Vec::new();
-        loop {
-            match rx.recv_timeout(Duration::from_secs(120)) {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix("listening on http://127.0.0.1:") {
-                        server.port = rest.trim().parse().expect("a port");
-                        return server;
-                    }
-                    seen.push(line);
-                }
-                Err(_) => panic!("no `listening on` line; stderr: {seen:?}"),
-            }
-        }
-    }
-
-    fn request(&self, method: &str, path: &str, body: Option<&[u8]>) -> Response {
-        let auth = self.key.map(|k| format!("Bearer {k}"));
-        self.request_with(method, path, body, auth.as_deref())
-    }
-
-    fn request_with(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&[u8]>,
-        auth: Option<&str>,
-    ) -> Response {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port)).expect("connects");
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        let mut head =
-            format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
-        if let Some(a) = auth {
-            head.push_str(&format!("Authorization: {a}\r\n"));
-        }
-        if let Some(b) = body {
-            head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                b.len()
-            ));
-        }
-        head.push_str("\r\n");
-        s.write_all(head.as_bytes()).unwrap();
-        if let Some(b) = body {
-            s.write_all(b).unwrap();
-        }
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).expect("reads the response");
-        Response::parse(&raw)
-    }
-
-    fn post(&self, path: &str, body: &Value) -> Response {
-        self.request("POST", path, Some(body.to_string().as_bytes()))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Response {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Response {
-    fn parse(raw: &[u8]) -> Response {
-        let split = raw
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .expect("a header block");
-        let head = std::str::from_utf8(&raw[..split]).unwrap();
-        let mut lines = head.split("\r\n");
-        let status: u16 = lines
-            .next()
-            .unwrap()
-            .split(' ')
-            .nth(1)
-            .unwrap()
-            .parse()
-            .unwrap();
-        let headers: Vec<(String, String)> = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-            .collect();
-        let mut body = raw[split + 4..].to_vec();
-        if headers
-            .iter()
-            .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
-        {
-            body = dechunk(&body);
-        }
-        Response {
-            status,
-            headers,
-            body,
-        }
-    }
-
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn text(&self) -> &str {
-        std::str::from_utf8(&self.body).expect("UTF-8 body")
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("JSON body ({e}): {:?}", self.text()))
-    }
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b.windows(2).position(|w| w == b"\r\n").expect("chunk size");
-        let size = std::str::from_utf8(&b[..eol]).unwrap();
-        let size = usize::from_str_radix(size.split(';').next().unwrap().trim(), 16).unwrap();
-        b = &b[eol + 2..];
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
-}
 
 /// An OpenAI-shaped error body with this status.
 fn assert_error(r: &Response, status: u16) -> Value {
@@ -194,10 +23,6 @@ fn assert_error(r: &Response, status: u16) -> Value {
     v
 }
 
-fn completion(prompt: &str, max_tokens: usize) -> Value {
-    json!({"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-}
-
 fn check_usage(u: &Value) {
     let p = u["prompt_tokens"].as_u64().unwrap();
     let c = u["completion_tokens"].as_u64().unwrap();
@@ -206,22 +31,6 @@ fn check_usage(u: &Value) {
         .as_u64()
         .unwrap();
     assert!(cached <= p, "{cached} cached of {p} prompt tokens");
-}
-
-/// The SSE events of `body`, checked byte for byte: `data: ` + JSON + `\n\n` each, and a
-/// final `data: [DONE]\n\n`.
-fn sse_events(body: &str) -> Vec<Value> {
-    assert!(body.ends_with("data: [DONE]\n\n"), "{body:?}");
-    let events = &body[..body.len() - "data: [DONE]\n\n".len()];
-    assert!(events.ends_with("\n\n"), "{body:?}");
-    events[..events.len() - 2]
-        .split("\n\n")
-        .map(|e| {
-            let json = e.strip_prefix("data: ").unwrap_or_else(|| panic!("{e:?}"));
-            assert!(!json.contains('\n'), "one line per event: {e:?}");
-            serde_json::from_str(json).unwrap_or_else(|err| panic!("{err}: {json:?}"))
-        })
-        .collect()
 }
 
 #[test]

@@ -10,12 +10,11 @@
 //! greedy near-tie (measured in BENCHMARKS.md, "Serving"). What is tested here is the
 //! batching and the caches: every reply must be the same tokens.
 
+mod common;
+
+use common::Server;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc, Barrier};
+use std::sync::Barrier;
 use std::time::Duration;
 
 const REQUESTS: usize = 32;
@@ -28,90 +27,6 @@ const TEXT: &str = "The harbour was quiet in the early morning, and the fishing 
     where two students argued about a book they had both pretended to read. The tide was \
     turning, the wind had shifted to the west, and somewhere behind the hills a train whistled \
     as it left the valley for the city.";
-
-fn model() -> PathBuf {
-    std::env::var_os("TESSERA_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(tessera_engine::store::default_model_path)
-}
-
-/// A running `tessera serve`, killed (by its pid) on drop.
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Server {
-    fn start(kv: &str) -> Server {
-        let model = model();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["serve", "--port", "0", "--model", model.to_str().unwrap()])
-            .args(["--f32-weights", "--kv", kv, "--max-batch", "8"])
-            .args(["--prefill-chunk", "16", "--max-queue", "64"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("tessera serve starts");
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                let _ = tx.send(line);
-            }
-        });
-        let mut seen = Vec::new();
-        let mut server = Server { child, port: 0 };
-        loop {
-            match rx.recv_timeout(Duration::from_secs(180)) {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix("listening on http://127.0.0.1:") {
-                        server.port = rest.trim().parse().expect("a port");
-                        return server;
-                    }
-                    seen.push(line);
-                }
-                Err(_) => panic!("no `listening on` line; stderr: {seen:?}"),
-            }
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// POSTs `body` to `/v1/completions` on `port`; returns the status and the JSON body.
-fn complete(port: u16, body: &Value) -> (u16, Value) {
-    let body = body.to_string();
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connects");
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body.as_bytes()).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("reads the response");
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("a header block");
-    let status = std::str::from_utf8(&raw[..split])
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let json = serde_json::from_slice(&raw[split + 4..]).unwrap_or(Value::Null);
-    (status, json)
-}
 
 /// Request `i`: a prompt of 6 to 66 words from its own place in `TEXT`, 2 to 12 tokens out.
 fn request(i: usize) -> Value {
@@ -140,31 +55,43 @@ fn reply(status: u16, body: &Value, i: usize) -> (String, u64) {
 }
 
 fn concurrent_equals_alone(kv: &str) {
-    let server = Server::start(kv);
-    let alone: Vec<(String, u64)> = (0..REQUESTS)
-        .map(|i| {
-            let (status, body) = complete(server.port, &request(i));
-            reply(status, &body, i)
-        })
-        .collect();
+    let server = Server::start(&[
+        "--f32-weights",
+        "--kv",
+        kv,
+        "--max-batch",
+        "8",
+        "--prefill-chunk",
+        "16",
+        "--max-queue",
+        "64",
+    ]);
+    let complete = |i: usize| {
+        let r = server.post("/v1/completions", &request(i));
+        reply(r.status, &r.json(), i)
+    };
+    let alone: Vec<(String, u64)> = (0..REQUESTS).map(complete).collect();
     // All at once, released together, so most wait for a row and join as others leave.
-    let start = Arc::new(Barrier::new(REQUESTS));
-    let port = server.port;
-    let handles: Vec<_> = (0..REQUESTS)
-        .map(|i| {
-            let start = Arc::clone(&start);
-            std::thread::spawn(move || {
-                start.wait();
-                // Staggered a little so arrivals fall on different steps.
-                std::thread::sleep(Duration::from_millis(15 * (i as u64 % 8)));
-                complete(port, &request(i))
+    let start = Barrier::new(REQUESTS);
+    let batched: Vec<(String, u64)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..REQUESTS)
+            .map(|i| {
+                let (start, complete) = (&start, &complete);
+                s.spawn(move || {
+                    start.wait();
+                    // Staggered a little so arrivals fall on different steps.
+                    std::thread::sleep(Duration::from_millis(15 * (i as u64 % 8)));
+                    complete(i)
+                })
             })
-        })
-        .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let (status, body) = h.join().expect("a client thread");
-        let got = reply(status, &body, i);
-        assert_eq!(got, alone[i], "{kv}: request {i} batched vs alone");
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a client thread"))
+            .collect()
+    });
+    for (i, got) in batched.iter().enumerate() {
+        assert_eq!(got, &alone[i], "{kv}: request {i} batched vs alone");
     }
     // Every reply generated something, so the comparison compared tokens.
     assert!(alone.iter().all(|(_, n)| *n > 0), "{alone:?}");

@@ -3,225 +3,18 @@
 //! client leaving mid-stream while another stream goes on. The real binary on 127.0.0.1
 //! with the default model; every server is killed when its test ends.
 
+mod common;
+
+use common::{completion, model, sse_events, Response, Server, KEY};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const KEY: &str = "sk-test-key";
 const PROMPT: &str = "The capital of France is";
-
-fn model() -> PathBuf {
-    std::env::var_os("TESSERA_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(tessera_engine::store::default_model_path)
-}
-
-/// A running `tessera serve`, killed (by its pid) on drop.
-struct Server {
-    child: Child,
-    port: u16,
-    key: Option<&'static str>,
-}
-
-impl Server {
-    fn start(model: &Path, extra: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["serve", "--port", "0", "--model", model.to_str().unwrap()])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("tessera serve starts");
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                let _ = tx.send(line);
-            }
-        });
-        let key = extra.iter().position(|&a| a == "--api-key").map(|_| KEY);
-        let mut server = Server {
-            child,
-            port: 0,
-            key,
-        };
-        let mut seen = Vec::new();
-        loop {
-            match rx.recv_timeout(Duration::from_secs(120)) {
-                Ok(line) => {
-                    if let Some(rest) = line.strip_prefix("listening on http://127.0.0.1:") {
-                        server.port = rest.trim().parse().expect("a port");
-                        return server;
-                    }
-                    seen.push(line);
-                }
-                Err(_) => panic!("no `listening on` line; stderr: {seen:?}"),
-            }
-        }
-    }
-
-    fn connect(&self) -> TcpStream {
-        let s = TcpStream::connect(("127.0.0.1", self.port)).expect("connects");
-        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-        s
-    }
-
-    /// Sends the request head and body; the response is read by the caller.
-    fn send(&self, method: &str, path: &str, body: Option<&str>) -> TcpStream {
-        let mut s = self.connect();
-        let mut head =
-            format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n");
-        if let Some(k) = self.key {
-            head.push_str(&format!("Authorization: Bearer {k}\r\n"));
-        }
-        if let Some(b) = body {
-            head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                b.len()
-            ));
-        }
-        head.push_str("\r\n");
-        head.push_str(body.unwrap_or(""));
-        s.write_all(head.as_bytes()).unwrap();
-        s
-    }
-
-    fn request(&self, method: &str, path: &str, body: Option<&str>) -> Response {
-        let mut s = self.send(method, path, body);
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).expect("reads the response");
-        Response::parse(&raw)
-    }
-
-    fn post(&self, path: &str, body: &Value) -> Response {
-        self.request("POST", path, Some(&body.to_string()))
-    }
-
-    /// `/metrics` as (sample name with labels, value) pairs.
-    fn metrics(&self) -> Vec<(String, f64)> {
-        let r = self.request("GET", "/metrics", None);
-        assert_eq!(r.status, 200, "{}", r.text());
-        r.text()
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-            .map(|l| {
-                let (name, value) = l.rsplit_once(' ').unwrap_or_else(|| panic!("{l:?}"));
-                (
-                    name.to_string(),
-                    value.parse().unwrap_or_else(|_| panic!("{l:?}")),
-                )
-            })
-            .collect()
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        self.metrics()
-            .into_iter()
-            .find(|(n, _)| n == name)
-            .unwrap_or_else(|| panic!("no {name} in /metrics"))
-            .1
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Response {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Response {
-    fn parse(raw: &[u8]) -> Response {
-        let split = raw
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .expect("a header block");
-        let head = std::str::from_utf8(&raw[..split]).unwrap();
-        let mut lines = head.split("\r\n");
-        let status = lines
-            .next()
-            .unwrap()
-            .split(' ')
-            .nth(1)
-            .unwrap()
-            .parse()
-            .unwrap();
-        let headers: Vec<(String, String)> = lines
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-            .collect();
-        let mut body = raw[split + 4..].to_vec();
-        if headers
-            .iter()
-            .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
-        {
-            body = dechunk(&body);
-        }
-        Response {
-            status,
-            headers,
-            body,
-        }
-    }
-
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    fn text(&self) -> &str {
-        std::str::from_utf8(&self.body).expect("UTF-8 body")
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("JSON body ({e}): {:?}", self.text()))
-    }
-}
-
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b.windows(2).position(|w| w == b"\r\n").expect("chunk size");
-        let size = std::str::from_utf8(&b[..eol]).unwrap();
-        let size = usize::from_str_radix(size.split(';').next().unwrap().trim(), 16).unwrap();
-        b = &b[eol + 2..];
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
-}
-
-/// The JSON events of an SSE body that ends with `data: [DONE]`.
-fn sse_events(body: &str) -> Vec<Value> {
-    assert!(body.ends_with("data: [DONE]\n\n"), "{body:?}");
-    body.split("\n\n")
-        .filter(|e| !e.is_empty() && *e != "data: [DONE]")
-        .map(|e| {
-            let json = e.strip_prefix("data: ").unwrap_or_else(|| panic!("{e:?}"));
-            serde_json::from_str(json).unwrap_or_else(|err| panic!("{err}: {json:?}"))
-        })
-        .collect()
-}
-
-fn completion(prompt: &str, max_tokens: usize) -> Value {
-    json!({"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-}
 
 /// An OpenAI-shaped 400 naming `param`.
 fn assert_bad(r: &Response, param: &str) {
@@ -245,7 +38,7 @@ fn wait_for(limit: Duration, what: &str, mut until: impl FnMut() -> bool) {
 
 #[test]
 fn the_openai_python_client_gets_what_raw_requests_get() {
-    let server = Server::start(&model(), &["--api-key", KEY, "--max-batch", "4"]);
+    let server = Server::start_with(&model(), &["--api-key", KEY, "--max-batch", "4"]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai_client.py");
     let base_url = format!("http://127.0.0.1:{}/v1", server.port);
     let out = Command::new("python3")
@@ -325,7 +118,7 @@ fn the_openai_python_client_gets_what_raw_requests_get() {
 #[test]
 fn metrics_prompt_forms_n_and_logprobs_over_raw_http() {
     // f32 weights, so that choices batched together equal their prompts run alone.
-    let server = Server::start(
+    let server = Server::start_with(
         &model(),
         &["--max-batch", "4", "--kv-budget", "64", "--f32-weights"],
     );
@@ -570,12 +363,12 @@ fn read_stream(mut s: TcpStream, first: &mut Option<mpsc::Sender<()>>) -> (Strin
 fn a_client_leaving_mid_stream_frees_its_row_and_the_other_stream_goes_on() {
     // f32 weights: with quantized ones, the int8 activations round differently as rows
     // come and go, so "the same text as alone" would not hold (continuous_batching.rs).
-    let server = Server::start(&model(), &["--max-batch", "4", "--f32-weights"]);
+    let server = Server::start_with(&model(), &["--max-batch", "4", "--f32-weights"]);
     let mut survivor = completion("Once upon a time, in a small village by the sea,", 40);
     survivor["stream"] = json!(true);
     let survivor = survivor.to_string();
     let (alone, alone_finish) = read_stream(
-        server.send("POST", "/v1/completions", Some(&survivor)),
+        server.send("POST", "/v1/completions", Some(survivor.as_bytes())),
         &mut None,
     );
     assert!(!alone.is_empty());
@@ -583,7 +376,11 @@ fn a_client_leaving_mid_stream_frees_its_row_and_the_other_stream_goes_on() {
     // A long stream, read until its first token, then ...
     let mut doomed = completion(PROMPT, 20_000);
     doomed["stream"] = json!(true);
-    let mut d = server.send("POST", "/v1/completions", Some(&doomed.to_string()));
+    let mut d = server.send(
+        "POST",
+        "/v1/completions",
+        Some(doomed.to_string().as_bytes()),
+    );
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: {") {
@@ -593,7 +390,7 @@ fn a_client_leaving_mid_stream_frees_its_row_and_the_other_stream_goes_on() {
     }
     // ... the survivor starts beside it.
     let (tx, rx) = mpsc::channel();
-    let s = server.send("POST", "/v1/completions", Some(&survivor));
+    let s = server.send("POST", "/v1/completions", Some(survivor.as_bytes()));
     let reader = std::thread::spawn(move || read_stream(s, &mut Some(tx)));
     rx.recv_timeout(Duration::from_secs(120))
         .expect("the survivor's first token");
@@ -662,7 +459,7 @@ fn logprob_bytes_spell_the_reply_with_a_byte_level_vocabulary() {
         qwen.exists(),
         "{qwen:?} is missing: tessera model fetch qwen2.5-coder-0.5b-instruct"
     );
-    let server = Server::start(&qwen, &[]);
+    let server = Server::start_with(&qwen, &[]);
     let r = server.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content":
