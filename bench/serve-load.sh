@@ -4,6 +4,7 @@
 # asyncio). Usage:
 #   bash bench/serve-load.sh throughput   # 1, 4, 16, 64 concurrent, ~400-token prompts
 #   bash bench/serve-load.sh budget       # 4k-token prompts under one --kv-budget, per scheme
+#     (BUDGET_MIB, BUDGET_KVS, BUDGET_REQUESTS, BUDGET_MAX_TOKENS)
 # Env: TESSERA (binary, default target/release/tessera), LLAMA_SERVER (llama-server binary),
 # MODEL (GGUF, default the default model), CORPUS (text for prompts).
 set -euo pipefail
@@ -38,10 +39,11 @@ throughput)
   done ;;
 budget)
   # One KV budget for every scheme: how many 4k-token requests run at once, and how fast each.
-  for kv in bf16 affine:4 turbo:4; do
+  for kv in ${BUDGET_KVS:-bf16 affine:4 turbo:4}; do
     "$TESSERA" serve --model "$MODEL" --port "$PORT" --kv "$kv" --max-batch 32 \
       --kv-budget "${BUDGET_MIB:-64}" --max-queue 256 2>/dev/null & pid=$!
-    up; load --concurrency 16 --requests 16 --prompt-words 3000 --max-tokens 64 \
+    up; load --concurrency 16 --requests "${BUDGET_REQUESTS:-16}" --prompt-words 3000 \
+      --max-tokens "${BUDGET_MAX_TOKENS:-64}" \
       --label "tessera $kv budget ${BUDGET_MIB:-64} MiB" --metrics-url "http://127.0.0.1:$PORT/metrics"; stop
   done ;;
 esac
