@@ -150,10 +150,11 @@ pub fn scheme_of(kv: &KvArgs) -> Result<KvScheme> {
 fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
     let config = SamplerConfig {
         temperature: args.temperature,
-        // llama.cpp's conventions: top-k 0, top-p 1 and min-p 0 are off.
+        // llama.cpp's conventions: top-k 0, top-p 1 and min-p 0 are off; any other value
+        // goes to the engine's check (so `--top-p 1.5` is refused, not taken as off).
         top_k: (args.top_k > 0).then_some(args.top_k),
-        top_p: (args.top_p < 1.0).then_some(args.top_p),
-        min_p: (args.min_p > 0.0).then_some(args.min_p),
+        top_p: (args.top_p != 1.0).then_some(args.top_p),
+        min_p: (args.min_p != 0.0).then_some(args.min_p),
         repetition_penalty: args.repetition_penalty,
         seed: args.seed,
         ..Default::default()
