@@ -3,9 +3,11 @@
 
 mod common;
 
-use common::{completion, model, sse_events, Response, Server, KEY};
+use common::{
+    completion, generate_greedy, read_until_first_event, sse_events, Response, Server, KEY,
+};
 use serde_json::{json, Value};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
 use std::process::Command;
 use std::time::Duration;
@@ -85,19 +87,7 @@ fn a_greedy_completion_equals_tessera_generate() {
         other => panic!("finish_reason {other}"),
     }
 
-    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args([
-            "generate",
-            "--model",
-            model().to_str().unwrap(),
-            "--prompt",
-            PROMPT,
-        ])
-        .args(["--temperature", "0", "--max-tokens", "8"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    assert_eq!(String::from_utf8(out.stdout).unwrap(), format!("{text}\n"));
+    assert_eq!(generate_greedy(PROMPT, 8), text);
 
     // A stop string from inside that text: cut before it, finish_reason "stop".
     let chars: Vec<char> = text.chars().collect();
@@ -305,22 +295,8 @@ fn a_client_that_leaves_mid_stream_frees_its_row() {
     let mut body = completion(PROMPT, 20_000);
     body["stream"] = json!(true);
     let body = body.to_string();
-    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "the stream ended early");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let mut s = server.send("POST", "/v1/completions", Some(body.as_bytes()));
+    read_until_first_event(&mut s);
     drop(s);
     let t = std::time::Instant::now();
     let r = server.post("/v1/completions", &completion(PROMPT, 2));
@@ -374,22 +350,8 @@ fn sigterm_lets_the_stream_in_flight_finish_then_exits_0() {
     let mut body = completion(PROMPT, 48);
     body["stream"] = json!(true);
     let body = body.to_string();
-    let mut s = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "the stream ended early");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let mut s = server.send("POST", "/v1/completions", Some(body.as_bytes()));
+    let mut seen = read_until_first_event(&mut s);
     let pid = server.child.id().to_string();
     let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(killed.success());

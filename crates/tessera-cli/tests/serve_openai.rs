@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{completion, model, sse_events, Response, Server, KEY};
+use common::{completion, generate_greedy, model, sse_events, Response, Server, KEY};
 use serde_json::{json, Value};
 use std::io::Read;
 use std::net::TcpStream;
@@ -84,21 +84,9 @@ fn the_openai_python_client_gets_what_raw_requests_get() {
         raw["usage"]["completion_tokens"]
     );
     // And the completion is `tessera generate`'s.
-    let generated = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args([
-            "generate",
-            "--model",
-            model().to_str().unwrap(),
-            "--prompt",
-            PROMPT,
-        ])
-        .args(["--temperature", "0", "--max-tokens", "8"])
-        .output()
-        .unwrap();
-    assert!(generated.status.success());
     assert_eq!(
-        String::from_utf8(generated.stdout).unwrap(),
-        format!("{}\n", v["completion"]["text"].as_str().unwrap())
+        generate_greedy(PROMPT, 8),
+        v["completion"]["text"].as_str().unwrap()
     );
     // The logprobs' tokens spell the greedy reply.
     let spelled: String = v["chat_logprobs"]

@@ -257,6 +257,48 @@ pub fn sse_events(body: &str) -> Vec<Value> {
         .collect()
 }
 
+/// `tessera generate`'s greedy text for `prompt` with the default model (its trailing
+/// newline dropped).
+pub fn generate_greedy(prompt: &str, max_tokens: usize) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args([
+            "generate",
+            "--model",
+            model().to_str().unwrap(),
+            "--prompt",
+            prompt,
+        ])
+        .args([
+            "--temperature",
+            "0",
+            "--max-tokens",
+            &max_tokens.to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.strip_suffix('\n')
+        .unwrap_or_else(|| panic!("{text:?}"))
+        .to_string()
+}
+
+/// Reads a streaming response until its first SSE event has arrived; returns what came.
+pub fn read_until_first_event(s: &mut TcpStream) -> Vec<u8> {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    seen
+}
+
 /// A greedy text completion request.
 pub fn completion(prompt: &str, max_tokens: usize) -> Value {
     json!({"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
