@@ -4,7 +4,9 @@ use crate::commands::{load, scheme_of};
 use crate::{KvArgs, ModelArgs};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
+use std::path::Path;
 use std::time::Instant;
+use tessera_engine::{prompt_cache, Session, DEFAULT_PREFILL_CHUNK};
 use tessera_kv::{KvCache, KvScheme};
 use tessera_models::{LogitsMode, Model};
 
@@ -96,10 +98,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         batch,
     } = shape;
     let scheme = scheme_of(kv)?;
-    let label = kv
-        .kv_config
-        .as_ref()
-        .map_or(kv.kv.clone(), |p| p.display().to_string());
+    let label = crate::commands::scheme_label(kv);
     if prompt_tokens == 0 || gen_tokens == 0 || repeat == 0 || batch == 0 {
         bail!("--prompt-tokens, --gen-tokens, --repeat and --batch must be at least 1");
     }
@@ -175,6 +174,96 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             rss as f64 / 1048576.0,
             cache.bytes_per_token(),
             cache.allocated_bytes() as f64 / 1048576.0
+        );
+    }
+    Ok(())
+}
+
+/// `tessera bench --prompt-cache FILE`: time to first token for the cached prompt plus
+/// `suffix` new tokens, loading the file (from the page cache after the warm-up) against a
+/// cold prefill of all the same tokens; the mean of `repeat` runs of each after one
+/// untimed warm-up.
+pub fn bench_prompt_cache(
+    margs: &ModelArgs,
+    file: &Path,
+    suffix: usize,
+    repeat: usize,
+    kv: &KvArgs,
+    json: bool,
+) -> Result<()> {
+    if suffix == 0 || repeat == 0 {
+        bail!("--suffix-tokens and --repeat must be at least 1");
+    }
+    let explicit = crate::commands::explicit_scheme(kv)?;
+    let (model, tok) = load(margs)?;
+    let bytes = std::fs::metadata(file)?.len();
+    let first = |ids: &[u32], session: &mut Session| -> Result<u32> {
+        let logits = session.feed(ids)?;
+        Ok(tessera_engine::argmax(&logits))
+    };
+    let bos = tok.special().bos.unwrap_or(2);
+    let (mut cached_s, mut load_s, mut cold_s) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut prompt, mut tokens) = (Vec::new(), (0, 0));
+    let mut agree = true;
+    let mut label = String::new();
+    for run in 0..=repeat {
+        let t = Instant::now();
+        let cached = prompt_cache::load(file, &model, explicit.as_ref())?;
+        let loaded = t.elapsed().as_secs_f64();
+        let scheme = cached.scheme.clone();
+        if run == 0 {
+            let held = cached.tokens.first().cloned().unwrap_or_default();
+            let extra = synthetic_tokens(suffix + 1, model.vocab_size(), bos);
+            prompt = held.iter().chain(&extra[1..]).copied().collect();
+            label = crate::commands::scheme_label(kv);
+            if explicit.is_none() {
+                label = "the file's".into();
+            }
+        }
+        let (mut session, reuse) =
+            cached.resume(&model, &scheme, &prompt, DEFAULT_PREFILL_CHUNK)?;
+        let warm = first(&prompt[reuse.tokens..], &mut session)?;
+        let cached_time = t.elapsed().as_secs_f64();
+        tokens = (prompt.len(), reuse.tokens);
+        let t = Instant::now();
+        let mut session = Session::new(&model, &scheme, DEFAULT_PREFILL_CHUNK)?;
+        let cold = first(&prompt, &mut session)?;
+        let cold_time = t.elapsed().as_secs_f64();
+        agree &= warm == cold;
+        if run > 0 {
+            cached_s.push(cached_time);
+            load_s.push(loaded);
+            cold_s.push(cold_time);
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (cached, loaded, cold) = (mean(&cached_s), mean(&load_s), mean(&cold_s));
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": model.architecture(), "device": margs.device, "kv": label,
+                "file_bytes": bytes, "prompt_tokens": tokens.0, "reused_tokens": tokens.1,
+                "ttft_cached_s": cached, "load_s": loaded, "load_gb_s": bytes as f64 / loaded / 1e9,
+                "ttft_cold_s": cold, "speedup": cold / cached, "first_token_agrees": agree,
+                "repeat": repeat,
+            })
+        );
+    } else {
+        println!(
+            "prompt cache {} | {:.2} MiB | kv {label} | prompt {} tokens, {} from the cache",
+            file.display(),
+            bytes as f64 / 1048576.0,
+            tokens.0,
+            tokens.1
+        );
+        println!(
+            "time to first token: cached {:.1} ms (load {:.1} ms, {:.2} GB/s) | cold {:.1} ms | {:.1}x | first tokens agree: {agree}",
+            cached * 1e3,
+            loaded * 1e3,
+            bytes as f64 / loaded / 1e9,
+            cold * 1e3,
+            cold / cached
         );
     }
     Ok(())

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message, TemplateOrigin};
 use tessera_engine::eval::{evaluate, EvalMode};
+use tessera_engine::prompt_cache::{self, ReuseLimit};
 use tessera_engine::store::{self, FetchEvent};
 use tessera_engine::{Generation, SamplerConfig, Session, StopReason, TextStream};
 use tessera_kv::{Isa, KvScheme};
@@ -139,12 +140,75 @@ pub fn notice_scheme(model: &Model, scheme: &KvScheme) {
     }
 }
 
-/// The scheme of the shared `--kv` / `--kv-start` / `--kv-config` flags.
+/// The scheme of the shared `--kv` / `--kv-start` / `--kv-config` flags (`bf16` by
+/// default).
 pub fn scheme_of(kv: &KvArgs) -> Result<KvScheme> {
-    match &kv.kv_config {
-        Some(path) => scheme_from_config(path, kv.kv_start),
-        None => scheme(&kv.kv, kv.kv_start),
+    Ok(match explicit_scheme(kv)? {
+        Some(s) => s,
+        None => scheme("bf16", kv.kv_start)?,
+    })
+}
+
+/// The scheme `--kv` or `--kv-config` names, if either is given (a prompt cache brings
+/// its own otherwise).
+pub fn explicit_scheme(kv: &KvArgs) -> Result<Option<KvScheme>> {
+    Ok(match (&kv.kv_config, &kv.kv) {
+        (Some(path), _) => Some(scheme_from_config(path, kv.kv_start)?),
+        (None, Some(name)) => Some(scheme(name, kv.kv_start)?),
+        (None, None) => None,
+    })
+}
+
+/// The label of the scheme flags: the config file's path, the `--kv` text, or `bf16`.
+pub fn scheme_label(kv: &KvArgs) -> String {
+    match (&kv.kv_config, &kv.kv) {
+        (Some(path), _) => path.display().to_string(),
+        (None, Some(name)) => name.clone(),
+        (None, None) => "bf16".into(),
     }
+}
+
+/// A session for the prompt `ids`: from the prompt cache at `file` when given (the prefix
+/// `ids` shares with it is reused; what happened is said on stderr), else a fresh cache
+/// of the flags' scheme. Returns the session, how many leading `ids` it already holds, and
+/// the scheme it runs.
+fn open_session<'m>(
+    model: &'m Model,
+    kv: &KvArgs,
+    ids: &[u32],
+    prefill_chunk: usize,
+    file: Option<&Path>,
+) -> Result<(Session<'m>, usize, KvScheme)> {
+    let Some(file) = file else {
+        let scheme = scheme_of(kv)?;
+        notice_scheme(model, &scheme);
+        return Ok((Session::new(model, &scheme, prefill_chunk)?, 0, scheme));
+    };
+    let t = Instant::now();
+    let explicit = explicit_scheme(kv)?;
+    let cached = prompt_cache::load(file, model, explicit.as_ref())?;
+    let loaded = t.elapsed();
+    let scheme = cached.scheme.clone();
+    notice_scheme(model, &scheme);
+    let held = cached.tokens.first().map_or(0, Vec::len);
+    let (session, reuse) = cached.resume(model, &scheme, ids, prefill_chunk)?;
+    let why = match reuse.limited_by {
+        Some(ReuseLimit::Floor(f)) => {
+            format!(" (the shared prefix is below the cache's reuse floor of {f})")
+        }
+        Some(ReuseLimit::Ring) => {
+            " (a sliding-window ring no longer holds where the prompt parts from the cache)".into()
+        }
+        None => String::new(),
+    };
+    eprintln!(
+        "tessera: prompt cache {}: {held} tokens loaded in {:.0} ms; {} of the prompt's {} tokens reused{why}",
+        file.display(),
+        loaded.as_secs_f64() * 1e3,
+        reuse.tokens,
+        ids.len()
+    );
+    Ok((session, reuse.tokens, scheme))
 }
 
 fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
@@ -235,12 +299,13 @@ pub fn generate(
     kv: &KvArgs,
     prefill_chunk: usize,
     chat_template: bool,
+    prompt_cache: Option<&Path>,
 ) -> Result<()> {
-    let scheme = scheme_of(kv)?;
+    // Bad flags are refused before the model loads.
+    explicit_scheme(kv)?;
     let sampler = sampler(sargs)?;
     let t0 = Instant::now();
     let (model, tok) = load(margs)?;
-    notice_scheme(&model, &scheme);
     let load_time = t0.elapsed();
     let (ids, stops) = if chat_template {
         let template = self::chat_template(&tok)?;
@@ -250,8 +315,9 @@ pub fn generate(
     } else {
         (tok.encode(prompt, true)?, stop_tokens(&tok))
     };
-    let mut session = Session::new(&model, &scheme, prefill_chunk)?;
-    let mut gen = Generation::new(&mut session, &ids, sampler, max_tokens, stops)?;
+    let (mut session, reused, scheme) =
+        open_session(&model, kv, &ids, prefill_chunk, prompt_cache)?;
+    let mut gen = Generation::new(&mut session, &ids[reused..], sampler, max_tokens, stops)?;
     let mut stream = TextStream::new();
     let mut out = std::io::stdout().lock();
     let mut produced = 0;
@@ -265,8 +331,13 @@ pub fn generate(
     writeln!(out)?;
     let reason = stop_words(gen.stop_reason(), gen.stop_token(), &tok, chat_template);
     let s = gen.session();
+    let cached = if reused > 0 {
+        format!(" ({reused} from the prompt cache)")
+    } else {
+        String::new()
+    };
     eprintln!(
-        "[load {:.2} s | prompt {} tokens, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {} | kv {}]",
+        "[load {:.2} s | prompt {} tokens{cached}, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {} | kv {}]",
         load_time.as_secs_f64(),
         ids.len(),
         s.prefill_tokens.max(1) as f64 / s.prefill_time.as_secs_f64().max(1e-9),
@@ -291,14 +362,44 @@ pub fn chat(
     sargs: &SampleArgs,
     kv: &KvArgs,
     prefill_chunk: usize,
+    prompt_cache: Option<&Path>,
 ) -> Result<()> {
-    let scheme = scheme_of(kv)?;
+    explicit_scheme(kv)?;
     let sampler = sampler(sargs)?;
     let (model, tok) = load(margs)?;
-    notice_scheme(&model, &scheme);
     let template = chat_template(&tok)?;
     let stops = chat_stop_tokens(&tok, &template);
-    let mut session = Session::new(&model, &scheme, prefill_chunk)?;
+    // A prompt cache starts every conversation (also after /reset); each turn keeps the
+    // prefix it shares with it.
+    let base = match prompt_cache {
+        Some(file) => {
+            let cached = prompt_cache::load(file, &model, explicit_scheme(kv)?.as_ref())?;
+            eprintln!(
+                "tessera: prompt cache {}: {} tokens",
+                file.display(),
+                cached.tokens.first().map_or(0, Vec::len)
+            );
+            Some(cached)
+        }
+        None => None,
+    };
+    let scheme = match &base {
+        Some(b) => b.scheme.clone(),
+        None => scheme_of(kv)?,
+    };
+    notice_scheme(&model, &scheme);
+    let fresh_session = || -> Result<Session> {
+        Ok(match &base {
+            Some(b) => Session::with_cache(
+                &model,
+                b.cache.extract(0)?,
+                b.tokens[0].clone(),
+                prefill_chunk,
+            )?,
+            None => Session::new(&model, &scheme, prefill_chunk)?,
+        })
+    };
+    let mut session = fresh_session()?;
     let mut history: Vec<Message> = Vec::new();
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -320,7 +421,7 @@ pub fn chat(
             "/quit" | "/exit" => return Ok(()),
             "/reset" => {
                 history.clear();
-                session = Session::new(&model, &scheme, prefill_chunk)?;
+                session = fresh_session()?;
                 eprintln!("(conversation reset)");
                 continue;
             }
@@ -337,7 +438,9 @@ pub fn chat(
             }
         };
         let keep = reusable_prefix(session.tokens(), &ids);
-        let keep = if session.truncate(keep).is_ok() {
+        // Never below the reuse floor: a fresh cache would hold those positions in bf16.
+        let floor = session.cache().minimum_reusable_offset().unwrap_or(0);
+        let keep = if keep >= floor && session.truncate(keep).is_ok() {
             keep
         } else {
             // A sliding-window ring that has overwritten positions its window needs again cannot
@@ -371,6 +474,95 @@ pub fn chat(
         writeln!(out, "{}", stream.finish())?;
         history.push(Message::assistant(tok.decode(&reply)?));
     }
+}
+
+/// `tessera cache save`: prefill `prompt` (with BOS, as generate encodes it) and write its
+/// cache in the flags' scheme to `out`.
+pub fn cache_save(
+    margs: &ModelArgs,
+    prompt: &str,
+    out: &Path,
+    kv: &KvArgs,
+    prefill_chunk: usize,
+) -> Result<()> {
+    let scheme = scheme_of(kv)?;
+    if out.is_dir() {
+        bail!("--out {} is a directory; give a file name", out.display());
+    }
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.is_dir() {
+            bail!("--out: no directory {}", dir.display());
+        }
+    }
+    let (model, tok) = load(margs)?;
+    notice_scheme(&model, &scheme);
+    let ids = tok.encode(prompt, true)?;
+    let mut session = Session::new(&model, &scheme, prefill_chunk)?;
+    let t = Instant::now();
+    session.feed(&ids)?;
+    let prefill = t.elapsed();
+    let t = Instant::now();
+    let bytes = prompt_cache::save(out, &model, &[ids.clone()], session.cache())?;
+    eprintln!(
+        "tessera: prefilled {} tokens in {:.2} s; wrote {:.2} MiB in {:.0} ms",
+        ids.len(),
+        prefill.as_secs_f64(),
+        bytes as f64 / 1048576.0,
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    println!(
+        "{}: {} tokens, kv {}, {bytes} bytes",
+        out.display(),
+        ids.len(),
+        scheme_label(kv)
+    );
+    Ok(())
+}
+
+/// `tessera cache info FILE`: what the header says, without reading the planes.
+pub fn cache_info(file: &Path, json: bool) -> Result<()> {
+    let (h, bytes) = prompt_cache::read_header(file)?;
+    let rows: Vec<usize> = h.tokens.iter().map(Vec::len).collect();
+    let layers = h.layer_summary();
+    if json {
+        let plane_bytes: usize = h
+            .layers
+            .iter()
+            .flat_map(|l| &l.buffers)
+            .map(|b| b.bytes)
+            .sum();
+        println!(
+            "{}",
+            serde_json::json!({
+                "file": file.display().to_string(), "bytes": bytes, "plane_bytes": plane_bytes,
+                "format": h.format, "version": h.version, "writer": h.writer,
+                "architecture": h.model.architecture, "layers": h.model.layers,
+                "fingerprint": h.model.fingerprint, "rows": rows,
+                "minimum_reusable_offset": h.minimum_reusable_offset,
+                "signatures": layers.iter().map(|(s, n)| serde_json::json!({"signature": s, "layers": n})).collect::<Vec<_>>(),
+            })
+        );
+        return Ok(());
+    }
+    println!("file:          {} ({bytes} bytes)", file.display());
+    println!(
+        "format:        {} version {} (written by tessera {})",
+        h.format, h.version, h.writer
+    );
+    println!(
+        "model:         {}, {} layers, fingerprint {}",
+        h.model.architecture, h.model.layers, h.model.fingerprint
+    );
+    println!("rows:          {} (tokens {rows:?})", rows.len());
+    println!(
+        "reuse floor:   {}",
+        h.minimum_reusable_offset
+            .map_or("none".to_string(), |f| f.to_string())
+    );
+    for (signature, n) in layers {
+        println!("layers:        {n} × {signature}");
+    }
+    Ok(())
 }
 
 /// `tessera serve`'s own flags.

@@ -54,8 +54,9 @@ pub struct KvArgs {
     /// value bits 2 to 8, V defaults to K; `nomean` / `noscale` turn off the key
     /// preprocessing). Append `:global` to quantize full-attention layers only, keeping
     /// sliding-window layers bf16 (e.g. `turbo:4:global`).
-    #[arg(long, default_value = "bf16")]
-    pub kv: String,
+    /// Default `bf16`; with `--prompt-cache`, the cache file's own scheme.
+    #[arg(long)]
+    pub kv: Option<String>,
     /// Positions held in bf16 before a quantized scheme takes over (quantized_kv_start).
     #[arg(long, default_value_t = 0)]
     pub kv_start: usize,
@@ -120,6 +121,10 @@ enum Command {
         /// of the reply's turn.
         #[arg(long)]
         chat_template: bool,
+        /// Start from this prompt cache (`tessera cache save`): the longest prefix the prompt
+        /// shares with it is not prefilled again.
+        #[arg(long, value_name = "FILE")]
+        prompt_cache: Option<PathBuf>,
     },
     /// Interactive multi-turn chat (type /reset to start over, /quit or Ctrl-D to leave).
     Chat {
@@ -134,6 +139,10 @@ enum Command {
         kv: KvArgs,
         #[arg(long, default_value_t = tessera_engine::DEFAULT_PREFILL_CHUNK)]
         prefill_chunk: usize,
+        /// Start from this prompt cache: each turn reuses the prefix the conversation shares
+        /// with it (e.g. a cached system prompt or document).
+        #[arg(long, value_name = "FILE")]
+        prompt_cache: Option<PathBuf>,
     },
     /// Perplexity, and KL divergence / top-1 agreement against the bf16 cache, per KV scheme.
     Eval {
@@ -191,8 +200,20 @@ enum Command {
         batch: usize,
         #[command(flatten)]
         kv: KvArgs,
+        /// Time to first token from this prompt cache (load, then prefill --suffix-tokens
+        /// more) against a cold prefill of the same tokens, instead of the speed runs.
+        #[arg(long, value_name = "FILE")]
+        prompt_cache: Option<PathBuf>,
+        /// With --prompt-cache: new tokens after the cached prompt.
+        #[arg(long, default_value_t = 16)]
+        suffix_tokens: usize,
         #[arg(long)]
         json: bool,
+    },
+    /// Save and inspect prompt caches: a prompt prefilled once, reused by later runs.
+    Cache {
+        #[command(subcommand)]
+        action: CacheAction,
     },
     /// Serve the model over an OpenAI-compatible HTTP API (/v1/completions,
     /// /v1/chat/completions, /v1/models, /health), continuous batching on one engine thread.
@@ -232,6 +253,38 @@ enum Command {
     Model {
         #[command(subcommand)]
         action: ModelAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum CacheAction {
+    /// Prefill a prompt and write its KV cache (in the --kv scheme) to a file.
+    Save {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The prompt text.
+        #[arg(
+            long,
+            required_unless_present = "prompt_file",
+            conflicts_with = "prompt_file"
+        )]
+        prompt: Option<String>,
+        /// Read the prompt from a file instead.
+        #[arg(long)]
+        prompt_file: Option<PathBuf>,
+        /// The file to write (conventionally `.tpc`); replaced atomically if it exists.
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        kv: KvArgs,
+        #[arg(long, default_value_t = tessera_engine::DEFAULT_PREFILL_CHUNK)]
+        prefill_chunk: usize,
+    },
+    /// Describe a prompt cache file (reads only its header).
+    Info {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -295,6 +348,7 @@ fn run(cli: Cli) -> Result<()> {
             kv,
             prefill_chunk,
             chat_template,
+            prompt_cache,
         } => {
             let prompt = match (prompt, prompt_file) {
                 (Some(p), _) => p,
@@ -310,6 +364,7 @@ fn run(cli: Cli) -> Result<()> {
                 &kv,
                 prefill_chunk,
                 chat_template,
+                prompt_cache.as_deref(),
             )
         }
         Command::Chat {
@@ -318,7 +373,15 @@ fn run(cli: Cli) -> Result<()> {
             sample,
             kv,
             prefill_chunk,
-        } => commands::chat(&model, max_tokens, &sample, &kv, prefill_chunk),
+            prompt_cache,
+        } => commands::chat(
+            &model,
+            max_tokens,
+            &sample,
+            &kv,
+            prefill_chunk,
+            prompt_cache.as_deref(),
+        ),
         Command::Eval {
             model,
             text,
@@ -346,13 +409,24 @@ fn run(cli: Cli) -> Result<()> {
         ),
         Command::Bench {
             model,
+            repeat,
+            kv,
+            prompt_cache: Some(file),
+            suffix_tokens,
+            json,
+            ..
+        } => bench::bench_prompt_cache(&model, &file, suffix_tokens, repeat, &kv, json),
+        Command::Bench {
+            model,
             prompt_tokens,
             gen_tokens,
             depth,
             repeat,
             batch,
             kv,
+            prompt_cache: None,
             json,
+            ..
         } => bench::bench(
             &model,
             bench::Shape {
@@ -390,6 +464,28 @@ fn run(cli: Cli) -> Result<()> {
                 api_key,
             },
         ),
+        Command::Cache {
+            action:
+                CacheAction::Save {
+                    model,
+                    prompt,
+                    prompt_file,
+                    out,
+                    kv,
+                    prefill_chunk,
+                },
+        } => {
+            let prompt = match (prompt, prompt_file) {
+                (Some(p), _) => p,
+                (None, Some(f)) => std::fs::read_to_string(&f)
+                    .with_context(|| format!("cannot read prompt file {}", f.display()))?,
+                (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
+            };
+            commands::cache_save(&model, &prompt, &out, &kv, prefill_chunk)
+        }
+        Command::Cache {
+            action: CacheAction::Info { file, json },
+        } => commands::cache_info(&file, json),
         Command::Model {
             action: ModelAction::List,
         } => commands::list(),

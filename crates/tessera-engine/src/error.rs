@@ -25,6 +25,11 @@ pub enum EngineError {
     #[error("chat template: {0}")]
     ChatTemplate(String),
 
+    /// A prompt cache file that cannot be written, read or used: the text names the file
+    /// and the field.
+    #[error("prompt cache: {0}")]
+    PromptCache(String),
+
     #[error(transparent)]
     Model(#[from] tessera_models::ModelError),
 

@@ -16,6 +16,7 @@ mod error;
 pub mod eval;
 mod generate;
 pub mod prefix;
+pub mod prompt_cache;
 mod sampler;
 mod session;
 pub mod store;

@@ -44,6 +44,38 @@ impl<'m> Session<'m> {
         })
     }
 
+    /// A session continuing from `cache` (one row), which holds exactly `tokens` (a prompt
+    /// cache read from disk).
+    pub fn with_cache(
+        model: &'m Model,
+        cache: KvCache,
+        tokens: Vec<u32>,
+        prefill_chunk: usize,
+    ) -> Result<Self, EngineError> {
+        if prefill_chunk == 0 {
+            return Err(EngineError::Invalid(
+                "--prefill-chunk must be at least 1".into(),
+            ));
+        }
+        if cache.offsets() != [tokens.len()] {
+            return Err(EngineError::Invalid(format!(
+                "a session's cache must be one row holding its {} tokens, not rows of {:?}",
+                tokens.len(),
+                cache.offsets()
+            )));
+        }
+        Ok(Session {
+            model,
+            cache,
+            tokens,
+            prefill_chunk,
+            prefill_time: Duration::ZERO,
+            prefill_tokens: 0,
+            decode_time: Duration::ZERO,
+            decode_tokens: 0,
+        })
+    }
+
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }

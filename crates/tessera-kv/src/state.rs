@@ -73,6 +73,7 @@ impl LayerCache {
                 state.layer
             )));
         }
+        check_rows(state)?;
         if matches!(state.spec.retention, crate::Retention::Window { size: 0 })
             || state.spec.kv_heads == 0
             || state.spec.head_dim == 0
@@ -160,6 +161,25 @@ impl KvCache {
                 state.version
             )));
         }
+        let rows = state.left_pad.len();
+        if let Some(l) = state.layers.iter().find(|l| l.left_pad != state.left_pad) {
+            return Err(KvError::BadState(format!(
+                "layer {}: left padding {:?}, the cache's {:?}",
+                l.layer, l.left_pad, state.left_pad
+            )));
+        }
+        if let Some((i, l)) = state.layers.iter().enumerate().find(|(i, l)| l.layer != *i) {
+            return Err(KvError::BadState(format!(
+                "the cache's layer {i} says it is layer {}",
+                l.layer
+            )));
+        }
+        if state.prefill.as_ref().is_some_and(|p| p.len() != rows) {
+            return Err(KvError::BadState(format!(
+                "a prefill of {:?} for {rows} rows",
+                state.prefill
+            )));
+        }
         let layers = state
             .layers
             .iter()
@@ -169,6 +189,42 @@ impl KvCache {
         cache.set_prefill(state.prefill.clone());
         Ok(cache)
     }
+}
+
+/// Positions and slack past this are no cache a process holds (and would overflow the
+/// slot arithmetic): a state claiming them is corrupt.
+const MAX_POSITION: usize = 1 << 40;
+
+/// Each row's padding, oldest held position, end and round start in order
+/// (`left_pad, held_from ≤ end`, `left_pad ≤ round ≤ end`), a ring holding no more than
+/// its slots, and sizes a cache can have.
+fn check_rows(state: &LayerState) -> Result<(), KvError> {
+    let window = match state.spec.retention {
+        crate::Retention::Full => None,
+        crate::Retention::Window { size } => Some(size),
+    };
+    if state.slack > MAX_POSITION || window.is_some_and(|w| w > MAX_POSITION) {
+        return Err(KvError::BadState(format!(
+            "layer {}: a window of {window:?} with slack {}",
+            state.layer, state.slack
+        )));
+    }
+    for r in 0..state.left_pad.len() {
+        let (pad, held, end) = (state.left_pad[r], state.held_from[r], state.ends[r]);
+        let round = state.round.as_ref().map(|round| round[r]);
+        let ordered = pad <= end
+            && held <= end
+            && end <= MAX_POSITION
+            && round.is_none_or(|s| pad <= s && s <= end)
+            && window.is_none_or(|w| end - held.max(pad) <= w + state.slack);
+        if !ordered {
+            return Err(KvError::BadState(format!(
+                "layer {}: row {r} has left padding {pad}, oldest position {held}, end {end}, round start {round:?}",
+                state.layer
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Whether `stage` is turbo storage of `target`'s bit widths (its preparation is what was

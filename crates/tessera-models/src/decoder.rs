@@ -621,6 +621,8 @@ pub struct Decoder {
     /// The vector instruction level its CPU kernels run at (also the level its caches
     /// should read at: [`Decoder::isa`]).
     isa: Isa,
+    /// The GGUF's fingerprint ([`GgufFile::fingerprint`]).
+    fingerprint: String,
 }
 
 impl Decoder {
@@ -752,7 +754,12 @@ impl Decoder {
             final_norm,
             device: device.clone(),
             isa: options.isa.capped(),
+            fingerprint: g.fingerprint(),
         })
+    }
+
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     pub fn isa(&self) -> Isa {

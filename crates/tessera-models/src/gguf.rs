@@ -10,6 +10,7 @@ use crate::ModelError;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
+use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufReader;
@@ -191,6 +192,34 @@ impl GgufFile {
         self.content.tensor_infos.contains_key(name)
     }
 
+    /// A sha256 (hex) of everything the file declares: every metadata value (the
+    /// tokenizer's vocabulary, merges and template among them) and every tensor's name,
+    /// type, shape and offset, in a canonical byte form. Two files with one fingerprint
+    /// build the same model graph over the same tokenizer; a prompt cache records it so a
+    /// cache is never read into another model. (The weights' bytes are not hashed: that
+    /// would read the whole file at every load.)
+    pub fn fingerprint(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(b"tessera-gguf-fingerprint-1\0");
+        let meta: BTreeMap<_, _> = self.content.metadata.iter().collect();
+        for (key, value) in meta {
+            hash_bytes(&mut h, key.as_bytes());
+            hash_value(&mut h, value);
+        }
+        let tensors: BTreeMap<_, _> = self.content.tensor_infos.iter().collect();
+        for (name, info) in tensors {
+            hash_bytes(&mut h, name.as_bytes());
+            hash_bytes(&mut h, format!("{:?}", info.ggml_dtype).as_bytes());
+            let dims = info.shape.dims();
+            h.update((dims.len() as u64).to_le_bytes());
+            for &d in dims {
+                h.update((d as u64).to_le_bytes());
+            }
+            h.update(info.offset.to_le_bytes());
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// Count of tensors per storage type, e.g. `Q5_0: 81`.
     pub fn tensor_types(&self) -> BTreeMap<String, usize> {
         let mut counts = BTreeMap::new();
@@ -353,4 +382,42 @@ mod tests {
             .unwrap();
         assert_eq!(before, after);
     }
+}
+
+/// A length-prefixed byte string, so no two sequences of fields hash alike.
+fn hash_bytes(h: &mut Sha256, b: &[u8]) {
+    h.update((b.len() as u64).to_le_bytes());
+    h.update(b);
+}
+
+/// One metadata value as a type tag and its little-endian bytes.
+fn hash_value(h: &mut Sha256, v: &Value) {
+    let (tag, bytes): (u8, Vec<u8>) = match v {
+        Value::U8(x) => (0, x.to_le_bytes().to_vec()),
+        Value::I8(x) => (1, x.to_le_bytes().to_vec()),
+        Value::U16(x) => (2, x.to_le_bytes().to_vec()),
+        Value::I16(x) => (3, x.to_le_bytes().to_vec()),
+        Value::U32(x) => (4, x.to_le_bytes().to_vec()),
+        Value::I32(x) => (5, x.to_le_bytes().to_vec()),
+        Value::U64(x) => (6, x.to_le_bytes().to_vec()),
+        Value::I64(x) => (7, x.to_le_bytes().to_vec()),
+        Value::F32(x) => (8, x.to_le_bytes().to_vec()),
+        Value::F64(x) => (9, x.to_le_bytes().to_vec()),
+        Value::Bool(x) => (10, vec![*x as u8]),
+        Value::String(x) => {
+            h.update([11]);
+            hash_bytes(h, x.as_bytes());
+            return;
+        }
+        Value::Array(items) => {
+            h.update([12]);
+            h.update((items.len() as u64).to_le_bytes());
+            for item in items {
+                hash_value(h, item);
+            }
+            return;
+        }
+    };
+    h.update([tag]);
+    h.update(bytes);
 }

@@ -141,6 +141,13 @@ impl Model {
         }
     }
 
+    /// The sha256 of the GGUF's metadata and tensor table ([`GgufFile::fingerprint`]).
+    pub fn fingerprint(&self) -> &str {
+        match self {
+            Model::Decoder(m) => m.fingerprint(),
+        }
+    }
+
     pub fn architecture(&self) -> &'static str {
         match self {
             Model::Decoder(m) => m.config().arch.name(),

@@ -1,0 +1,651 @@
+//! Prompt caches on disk: a prefilled [`KvCache`] and the tokens it holds, saved once and
+//! read back into any later run of the same model (`tessera cache save`, then
+//! `--prompt-cache` on generate / chat / bench, and the server's `--prompt-cache-dir`).
+//!
+//! The file is safetensors: one `U8` tensor per plane buffer (`layers.L.B`), exactly the
+//! bytes [`KvCache::state`] gives (codes, scales and biases, norms, turbo key
+//! preparations, in the host layout, so a device cache saves through the host and loads
+//! onto any device), and under the metadata key `tessera` one JSON [`Header`]: the format
+//! version, the model's fingerprint (architecture, layer count, [`Model::fingerprint`]),
+//! each layer's shape, signature, codec, rows and ring state, a CRC-32 of every buffer, the
+//! token ids each row holds and the reuse floor. Saving writes a temporary file in the
+//! same folder, fsyncs it and renames it over the target, so a reader sees the old file or
+//! the new one, never half of one.
+//!
+//! Loading checks the whole header against the file and the model before it builds
+//! anything: buffer sizes and checksums against the header, shapes against the model's
+//! layer specs, signatures against the requested scheme, the fingerprint against the
+//! loaded model. A mismatch is one [`EngineError::PromptCache`] line naming the field; a
+//! truncated, corrupt or foreign file is an error, never a panic or a half-built cache.
+
+use crate::{EngineError, Session};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::Path;
+use tessera_kv::planes::{PlaneGeometry, PlanesState};
+use tessera_kv::{Codec, KvCache, KvScheme, LayerSpec, LayerState, Retention};
+use tessera_models::Model;
+
+/// What a prompt cache file says it is.
+pub const FORMAT: &str = "tessera-prompt-cache";
+/// The layout version this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+/// The file name extension the CLI suggests.
+pub const EXTENSION: &str = "tpc";
+/// The safetensors metadata key that holds the [`Header`].
+const HEADER_KEY: &str = "tessera";
+/// safetensors refuses headers above 100 MB; so do we, before reading one.
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// More rows than any batch this engine runs: a header claiming them is corrupt.
+const MAX_ROWS: usize = 1 << 16;
+
+/// The metadata of a prompt cache file (JSON under the key `tessera`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Header {
+    pub format: String,
+    pub version: u32,
+    /// [`tessera_kv::STATE_VERSION`] of the planes' layout.
+    pub state_version: u32,
+    /// The tessera version that wrote the file (informational).
+    pub writer: String,
+    pub model: ModelId,
+    /// The token ids each row holds, oldest first.
+    pub tokens: Vec<Vec<u32>>,
+    pub left_pad: Vec<usize>,
+    /// The cache's reuse floor: a prefix shorter than this is not reused.
+    pub minimum_reusable_offset: Option<usize>,
+    pub layers: Vec<LayerHeader>,
+}
+
+/// Which model a cache belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelId {
+    pub architecture: String,
+    pub layers: usize,
+    /// [`Model::fingerprint`]: a sha256 of the GGUF's metadata and tensor table.
+    pub fingerprint: String,
+}
+
+/// One layer's state, less its plane bytes (which are tensors).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerHeader {
+    /// `KvCache::signatures`' entry: retention and codec, e.g. `kv:window512:bf16-first:affine:4:64`.
+    pub signature: String,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    /// The sliding window's size; `None` for a full-attention layer.
+    pub window: Option<usize>,
+    pub slack: usize,
+    /// The codec the planes hold now (bf16 before a quantized layer converts).
+    pub codec: String,
+    /// The quantized codec a bf16-first layer converts to.
+    pub target: Option<String>,
+    pub quantized_kv_start: usize,
+    pub minimum_reusable_offset: Option<usize>,
+    pub ends: Vec<usize>,
+    pub held_from: Vec<usize>,
+    pub round: Option<Vec<usize>>,
+    pub capacity: usize,
+    pub buffers: Vec<BufferHeader>,
+}
+
+/// One plane buffer: its size and CRC-32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BufferHeader {
+    pub bytes: usize,
+    pub crc32: u32,
+}
+
+/// A loaded prompt cache: the cache, the tokens each row holds, and the scheme it was
+/// checked against (the caller's, or the file's own).
+pub struct PromptCache {
+    pub tokens: Vec<Vec<u32>>,
+    pub cache: KvCache,
+    pub scheme: KvScheme,
+}
+
+/// What [`PromptCache::resume`] reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reuse {
+    /// Leading prompt tokens taken from the cache (not prefilled again).
+    pub tokens: usize,
+    /// Why less of the cache than the prompt shares was reused, if so.
+    pub limited_by: Option<ReuseLimit>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReuseLimit {
+    /// The shared prefix is shorter than the cache's reuse floor.
+    Floor(usize),
+    /// A sliding-window ring no longer holds what cutting the cache back needs.
+    Ring,
+}
+
+fn bad(reason: impl Into<String>) -> EngineError {
+    EngineError::PromptCache(reason.into())
+}
+
+fn tensor_name(layer: usize, buffer: usize) -> String {
+    format!("layers.{layer}.{buffer}")
+}
+
+fn window_of(spec: &LayerSpec) -> Option<usize> {
+    match spec.retention {
+        Retention::Full => None,
+        Retention::Window { size } => Some(size),
+    }
+}
+
+/// Writes `cache` (whose row `r` holds `tokens[r]`) for `model` to `path`, atomically:
+/// a temporary file in the same folder, fsynced, renamed over `path`. Returns the bytes
+/// written. Refuses a cache in the middle of a prefill or a speculative round.
+pub fn save(
+    path: &Path,
+    model: &Model,
+    tokens: &[Vec<u32>],
+    cache: &KvCache,
+) -> Result<u64, EngineError> {
+    let state = cache.state()?;
+    if state.prefill.is_some() {
+        return Err(bad(
+            "a cache in the middle of a batched prefill cannot be saved",
+        ));
+    }
+    if state.layers.iter().any(|l| l.round.is_some()) {
+        return Err(bad("a cache inside a speculative round cannot be saved"));
+    }
+    let offsets = cache.offsets();
+    if tokens.len() != offsets.len() || tokens.iter().zip(&offsets).any(|(t, &o)| t.len() != o) {
+        return Err(bad(format!(
+            "the cache's rows hold {offsets:?} positions, the tokens given {:?}",
+            tokens.iter().map(Vec::len).collect::<Vec<_>>()
+        )));
+    }
+    let signatures = cache.signatures();
+    let layers = state
+        .layers
+        .iter()
+        .zip(signatures)
+        .map(|(l, signature)| LayerHeader {
+            signature,
+            kv_heads: l.spec.kv_heads,
+            head_dim: l.spec.head_dim,
+            value_dim: l.spec.value_dim,
+            window: window_of(&l.spec),
+            slack: l.slack,
+            codec: l.planes.codec.to_string(),
+            target: l.target.map(|t| t.to_string()),
+            quantized_kv_start: l.quantized_kv_start,
+            minimum_reusable_offset: l.minimum_reusable_offset,
+            ends: l.ends.clone(),
+            held_from: l.held_from.clone(),
+            round: None,
+            capacity: l.planes.capacity,
+            buffers: l
+                .planes
+                .buffers
+                .iter()
+                .map(|b| BufferHeader {
+                    bytes: b.len(),
+                    crc32: crc32fast::hash(b),
+                })
+                .collect(),
+        })
+        .collect();
+    let header = Header {
+        format: FORMAT.into(),
+        version: FORMAT_VERSION,
+        state_version: state.version,
+        writer: env!("CARGO_PKG_VERSION").into(),
+        model: ModelId {
+            architecture: model.architecture().into(),
+            layers: model.layer_specs().len(),
+            fingerprint: model.fingerprint().into(),
+        },
+        tokens: tokens.to_vec(),
+        left_pad: state.left_pad.clone(),
+        minimum_reusable_offset: cache.minimum_reusable_offset(),
+        layers,
+    };
+    let json = serde_json::to_string(&header).map_err(|e| bad(e.to_string()))?;
+    let mut views = Vec::new();
+    for l in &state.layers {
+        for (j, b) in l.planes.buffers.iter().enumerate() {
+            let view =
+                TensorView::new(Dtype::U8, vec![b.len()], b).map_err(|e| bad(e.to_string()))?;
+            views.push((tensor_name(l.layer, j), view));
+        }
+    }
+    let meta = HashMap::from([(HEADER_KEY.to_string(), json)]);
+    let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| bad(e.to_string()))?;
+    write_atomically(path, &bytes)
+        .map_err(|e| bad(format!("cannot write {}: {e}", path.display())))?;
+    Ok(bytes.len() as u64)
+}
+
+/// `bytes` into `path` through a temporary sibling, fsynced, then renamed (and the folder
+/// fsynced, so the rename itself survives a crash).
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::other("not a file name"))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// The header of the file at `path`, reading only the header's bytes (`tessera cache
+/// info`, the server's index of a cache folder). The tensors are not checked here.
+pub fn read_header(path: &Path) -> Result<(Header, u64), EngineError> {
+    let at = |e: EngineError| match e {
+        EngineError::PromptCache(m) => bad(format!("{}: {m}", path.display())),
+        e => e,
+    };
+    let io = |e: std::io::Error| bad(format!("{}: {e}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)
+        .map_err(|_| at(bad("shorter than a safetensors header")))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER_BYTES || n > len.saturating_sub(8) {
+        return Err(at(bad(format!(
+            "a header of {n} bytes in a file of {len} bytes"
+        ))));
+    }
+    let mut text = vec![0u8; n as usize];
+    f.read_exact(&mut text).map_err(io)?;
+    Ok((header_of(&text).map_err(at)?, len))
+}
+
+/// Our header inside a safetensors header's JSON text.
+fn header_of(text: &[u8]) -> Result<Header, EngineError> {
+    #[derive(Deserialize)]
+    struct Outer {
+        #[serde(rename = "__metadata__")]
+        metadata: Option<HashMap<String, String>>,
+    }
+    let outer: Outer = serde_json::from_slice(text)
+        .map_err(|e| bad(format!("the safetensors header is not valid JSON: {e}")))?;
+    let json = outer
+        .metadata
+        .as_ref()
+        .and_then(|m| m.get(HEADER_KEY))
+        .ok_or_else(|| bad("not a tessera prompt cache (no `tessera` metadata)"))?;
+    let header: Header = serde_json::from_str(json)
+        .map_err(|e| bad(format!("the tessera header does not parse: {e}")))?;
+    if header.format != FORMAT {
+        return Err(bad(format!(
+            "format: `{}`, expected `{FORMAT}`",
+            header.format
+        )));
+    }
+    if header.version != FORMAT_VERSION {
+        return Err(bad(format!(
+            "version: {} (this build reads version {FORMAT_VERSION})",
+            header.version
+        )));
+    }
+    Ok(header)
+}
+
+impl Header {
+    /// The scheme that builds this cache's layers: each layer's own codec (its target, for
+    /// a bf16-first layer) and its `quantized_kv_start`.
+    pub fn scheme(&self) -> Result<KvScheme, EngineError> {
+        let codec = |l: &LayerHeader| {
+            Codec::parse(l.target.as_deref().unwrap_or(&l.codec))
+                .map_err(|e| bad(format!("codec: {e}")))
+        };
+        let first = self.layers.first().ok_or_else(|| bad("layers: none"))?;
+        Ok(KvScheme {
+            default: codec(first)?,
+            sliding: None,
+            per_layer: self
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| Ok((i, codec(l)?)))
+                .collect::<Result<_, EngineError>>()?,
+            quantized_kv_start: self
+                .layers
+                .iter()
+                .map(|l| l.quantized_kv_start)
+                .max()
+                .unwrap_or(0),
+        })
+    }
+
+    /// One line per distinct layer signature, with how many layers have it.
+    pub fn layer_summary(&self) -> Vec<(String, usize)> {
+        let mut out: Vec<(String, usize)> = Vec::new();
+        for l in &self.layers {
+            match out.iter_mut().find(|(s, _)| *s == l.signature) {
+                Some((_, n)) => *n += 1,
+                None => out.push((l.signature.clone(), 1)),
+            }
+        }
+        out
+    }
+}
+
+/// Reads the prompt cache at `path` for `model`. `scheme`: the scheme the caller runs
+/// (the file must have been made with it); `None` takes the file's own.
+pub fn load(
+    path: &Path,
+    model: &Model,
+    scheme: Option<&KvScheme>,
+) -> Result<PromptCache, EngineError> {
+    let bytes = std::fs::read(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    decode(&bytes, model, scheme).map_err(|e| match e {
+        EngineError::PromptCache(m) => bad(format!("{}: {m}", path.display())),
+        e => e,
+    })
+}
+
+/// [`load`] from the file's bytes.
+pub fn decode(
+    bytes: &[u8],
+    model: &Model,
+    scheme: Option<&KvScheme>,
+) -> Result<PromptCache, EngineError> {
+    let (n, _) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let header = header_of(&bytes[8..8 + n])?;
+    let tensors = SafeTensors::deserialize(bytes)
+        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let scheme = match scheme {
+        Some(s) => s.clone(),
+        None => header.scheme()?,
+    };
+    check_header(&header, model, &scheme)?;
+    let specs = model.layer_specs();
+    let rows = header.tokens.len();
+    let mut buffers_seen = 0;
+    let mut layers = Vec::with_capacity(specs.len());
+    for (i, (l, spec)) in header.layers.iter().zip(&specs).enumerate() {
+        if l.ends.len() != rows || l.held_from.len() != rows {
+            return Err(bad(format!(
+                "layer {i}: {} ends and {} oldest positions for {rows} rows",
+                l.ends.len(),
+                l.held_from.len()
+            )));
+        }
+        for (r, row) in header.tokens.iter().enumerate() {
+            let held = l.ends[r].checked_sub(header.left_pad[r]);
+            if held != Some(row.len()) {
+                return Err(bad(format!(
+                    "layer {i} ends: row {r} ends at {} after {} padding, but holds {} tokens",
+                    l.ends[r],
+                    header.left_pad[r],
+                    row.len()
+                )));
+            }
+        }
+        let codec = Codec::parse(&l.codec).map_err(|e| bad(format!("layer {i} codec: {e}")))?;
+        let target = l
+            .target
+            .as_deref()
+            .map(Codec::parse)
+            .transpose()
+            .map_err(|e| bad(format!("layer {i} target: {e}")))?;
+        let mut buffers = Vec::with_capacity(l.buffers.len());
+        for (j, b) in l.buffers.iter().enumerate() {
+            let name = tensor_name(i, j);
+            let t = tensors
+                .tensor(&name)
+                .map_err(|_| bad(format!("tensor {name}: missing")))?;
+            if t.dtype() != Dtype::U8 || t.data().len() != b.bytes {
+                return Err(bad(format!(
+                    "tensor {name}: {:?} of {} bytes, the header says U8 of {}",
+                    t.dtype(),
+                    t.data().len(),
+                    b.bytes
+                )));
+            }
+            if crc32fast::hash(t.data()) != b.crc32 {
+                return Err(bad(format!(
+                    "tensor {name}: checksum mismatch (corrupt data)"
+                )));
+            }
+            buffers.push(t.data().to_vec());
+        }
+        buffers_seen += l.buffers.len();
+        layers.push(LayerState {
+            layer: i,
+            spec: *spec,
+            slack: l.slack,
+            target,
+            quantized_kv_start: l.quantized_kv_start,
+            minimum_reusable_offset: l.minimum_reusable_offset,
+            left_pad: header.left_pad.clone(),
+            ends: l.ends.clone(),
+            held_from: l.held_from.clone(),
+            round: l.round.clone(),
+            planes: PlanesState {
+                codec,
+                geometry: PlaneGeometry {
+                    rows,
+                    heads: spec.kv_heads,
+                    head_dim: spec.head_dim,
+                    value_dim: spec.value_dim,
+                },
+                capacity: l.capacity,
+                buffers,
+            },
+        });
+    }
+    if buffers_seen != tensors.len() {
+        return Err(bad(format!(
+            "{} tensors, the header names {buffers_seen}",
+            tensors.len()
+        )));
+    }
+    let state = tessera_kv::CacheState {
+        version: header.state_version,
+        layers,
+        left_pad: header.left_pad.clone(),
+        prefill: None,
+    };
+    let cache = KvCache::from_state(&state, model.device())
+        .map_err(|e| bad(e.to_string()))?
+        .with_isa(model.isa());
+    if cache.minimum_reusable_offset() != header.minimum_reusable_offset {
+        return Err(bad(format!(
+            "minimum_reusable_offset: the header says {:?}, the layers {:?}",
+            header.minimum_reusable_offset,
+            cache.minimum_reusable_offset()
+        )));
+    }
+    Ok(PromptCache {
+        tokens: header.tokens,
+        cache,
+        scheme,
+    })
+}
+
+/// Whether a cache with `header` can be read into `model` under `scheme`: the model's
+/// fingerprint and layer shapes, each layer's signature and `quantized_kv_start`, the rows
+/// and the token ids. [`decode`] checks this and then the tensors; a store of cache
+/// files (the server's `--prompt-cache-dir`) can check it from [`read_header`] alone.
+pub fn check_header(header: &Header, model: &Model, scheme: &KvScheme) -> Result<(), EngineError> {
+    check_model(header, model)?;
+    let rows = header.tokens.len();
+    if rows == 0 || rows > MAX_ROWS || header.left_pad.len() != rows {
+        return Err(bad(format!(
+            "rows: {rows} token lists and {} paddings",
+            header.left_pad.len()
+        )));
+    }
+    let expected = KvCache::new(&model.layer_specs(), scheme, vec![0; rows])?.signatures();
+    for (i, (l, want)) in header.layers.iter().zip(&expected).enumerate() {
+        if l.signature != *want {
+            return Err(bad(format!(
+                "layer {i} signature: the file holds {}, the requested scheme makes {want}",
+                l.signature
+            )));
+        }
+        if l.quantized_kv_start != scheme.quantized_kv_start {
+            return Err(bad(format!(
+                "layer {i} quantized_kv_start: the file's {}, the requested scheme's {}",
+                l.quantized_kv_start, scheme.quantized_kv_start
+            )));
+        }
+    }
+    let vocab = model.vocab_size();
+    for (r, row) in header.tokens.iter().enumerate() {
+        if let Some(&id) = row.iter().find(|&&id| id as usize >= vocab) {
+            return Err(bad(format!(
+                "tokens: row {r} holds id {id}, outside the model's vocabulary of {vocab}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The model fields of `header` against `model`, then each layer's shape.
+fn check_model(header: &Header, model: &Model) -> Result<(), EngineError> {
+    let specs = model.layer_specs();
+    let m = &header.model;
+    if m.architecture != model.architecture() {
+        return Err(bad(format!(
+            "model architecture: the file was made for {}, this model is {}",
+            m.architecture,
+            model.architecture()
+        )));
+    }
+    if m.layers != specs.len() || header.layers.len() != specs.len() {
+        return Err(bad(format!(
+            "model layers: the file has {} ({} described), this model {}",
+            m.layers,
+            header.layers.len(),
+            specs.len()
+        )));
+    }
+    if m.fingerprint != model.fingerprint() {
+        return Err(bad(format!(
+            "model fingerprint: the file was made for {}…, this model is {}… (another GGUF)",
+            m.fingerprint.get(..12).unwrap_or(&m.fingerprint),
+            &model.fingerprint()[..12]
+        )));
+    }
+    for (i, (l, spec)) in header.layers.iter().zip(&specs).enumerate() {
+        let fields = [
+            ("kv_heads", l.kv_heads, spec.kv_heads),
+            ("head_dim", l.head_dim, spec.head_dim),
+            ("value_dim", l.value_dim, spec.value_dim),
+        ];
+        for (field, file, ours) in fields {
+            if file != ours {
+                return Err(bad(format!(
+                    "layer {i} {field}: the file's {file}, the model's {ours}"
+                )));
+            }
+        }
+        if l.window != window_of(spec) {
+            return Err(bad(format!(
+                "layer {i} window: the file's {:?}, the model's {:?}",
+                l.window,
+                window_of(spec)
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl PromptCache {
+    /// The tokens of a one-row cache (a session's), or the error naming the rows.
+    fn one_row(&self) -> Result<Vec<u32>, EngineError> {
+        match self.tokens.as_slice() {
+            [row] => Ok(row.clone()),
+            rows => Err(bad(format!(
+                "a cache of {} rows; a session takes one",
+                rows.len()
+            ))),
+        }
+    }
+
+    /// A session holding the whole cache (one row), e.g. a chat whose turns then keep
+    /// what they share with it.
+    pub fn into_session(
+        self,
+        model: &Model,
+        prefill_chunk: usize,
+    ) -> Result<Session<'_>, EngineError> {
+        let tokens = self.one_row()?;
+        Session::with_cache(model, self.cache, tokens, prefill_chunk)
+    }
+
+    /// A session over this cache (one row) ready to read the rest of `prompt`: the cache
+    /// cut back to the longest prefix it shares with `prompt`, short of `prompt`'s last
+    /// token (whose logits the caller needs), and never below the reuse floor or further
+    /// back than a ring still holds (then nothing is reused: a fresh cache of `scheme`).
+    /// Feed `prompt[reuse.tokens..]` next.
+    pub fn resume<'m>(
+        self,
+        model: &'m Model,
+        scheme: &KvScheme,
+        prompt: &[u32],
+        prefill_chunk: usize,
+    ) -> Result<(Session<'m>, Reuse), EngineError> {
+        let held = self.one_row()?;
+        let common = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let keep = common.min(prompt.len().saturating_sub(1));
+        let fresh = |limit| {
+            Ok((
+                Session::new(model, scheme, prefill_chunk)?,
+                Reuse {
+                    tokens: 0,
+                    limited_by: limit,
+                },
+            ))
+        };
+        if keep == 0 {
+            return fresh(None);
+        }
+        if let Some(floor) = self.cache.minimum_reusable_offset().filter(|&f| keep < f) {
+            return fresh(Some(ReuseLimit::Floor(floor)));
+        }
+        let mut cache = self.cache;
+        if cache.trim(held.len() - keep).is_err() {
+            return fresh(Some(ReuseLimit::Ring));
+        }
+        let mut tokens = held;
+        tokens.truncate(keep);
+        let session = Session::with_cache(model, cache, tokens, prefill_chunk)?;
+        Ok((
+            session,
+            Reuse {
+                tokens: keep,
+                limited_by: None,
+            },
+        ))
+    }
+}
