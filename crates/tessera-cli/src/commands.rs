@@ -573,6 +573,7 @@ pub struct ServeArgs {
     pub kv_budget_mib: Option<usize>,
     pub max_queue: usize,
     pub prefix_cache_mib: usize,
+    pub prompt_cache_dir: Option<PathBuf>,
     pub prefill_chunk: usize,
     pub api_key: Option<String>,
 }
@@ -589,6 +590,19 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
     }
     if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         bail!("--api-key must not be empty");
+    }
+    if let Some(dir) = &args.prompt_cache_dir {
+        if args.prefix_cache_mib == 0 {
+            bail!(
+                "--prompt-cache-dir needs --prefix-cache MiB (above 0): the folder mirrors \
+                 the prefix store, whose budget that is"
+            );
+        }
+        if dir.exists() && !dir.is_dir() {
+            bail!("--prompt-cache-dir {} is not a folder", dir.display());
+        }
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create --prompt-cache-dir {}", dir.display()))?;
     }
     let scheme = scheme_of(kv)?;
     let path = model_path(margs)?;
@@ -634,6 +648,7 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
             prefill_chunk: args.prefill_chunk,
             limits,
             prefix_cache: args.prefix_cache_mib.saturating_mul(1 << 20),
+            prompt_cache_dir: args.prompt_cache_dir,
             chat_template: template,
         },
     };

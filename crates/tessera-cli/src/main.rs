@@ -241,6 +241,13 @@ enum Command {
         /// prompt, a conversation's history) read only their new suffix (0: off).
         #[arg(long, value_name = "MiB", default_value_t = 0)]
         prefix_cache: usize,
+        /// Keep the --prefix-cache rows in this folder too (created if missing), so they
+        /// outlive a restart: each row kept is saved as a prompt cache file
+        /// (`<sha256 of its tokens>.tpc`) and deleted when evicted; at start the files that
+        /// fit this model and --kv scheme are indexed (newest first, within the budget) and
+        /// read when a request first reuses one. Needs --prefix-cache.
+        #[arg(long, value_name = "DIR")]
+        prompt_cache_dir: Option<PathBuf>,
         /// Prompt tokens per prefill chunk (between decode steps of running requests).
         #[arg(long, default_value_t = tessera_engine::DEFAULT_PREFILL_CHUNK)]
         prefill_chunk: usize,
@@ -448,6 +455,7 @@ fn run(cli: Cli) -> Result<()> {
             kv_budget,
             max_queue,
             prefix_cache,
+            prompt_cache_dir,
             prefill_chunk,
             api_key,
         } => commands::serve(
@@ -460,6 +468,7 @@ fn run(cli: Cli) -> Result<()> {
                 kv_budget_mib: kv_budget,
                 max_queue,
                 prefix_cache_mib: prefix_cache,
+                prompt_cache_dir,
                 prefill_chunk,
                 api_key,
             },

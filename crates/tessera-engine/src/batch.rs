@@ -18,6 +18,7 @@ use crate::sampler::{Sampler, SamplerConfig};
 use crate::EngineError;
 use candle_core::Tensor;
 use std::collections::VecDeque;
+use std::path::Path;
 use tessera_kv::{AttentionCache, KvCache, KvScheme, Retention};
 use tessera_models::{LogitsMode, Model};
 
@@ -160,7 +161,7 @@ pub struct Batch<'m> {
     /// Running rows cancelled since the last step.
     cancelled: Vec<RequestId>,
     next_id: RequestId,
-    prefixes: Option<PrefixCache>,
+    prefixes: Option<PrefixCache<'m>>,
 }
 
 impl<'m> Batch<'m> {
@@ -215,8 +216,26 @@ impl<'m> Batch<'m> {
         self
     }
 
+    /// [`Batch::with_prefix_cache`], the store mirrored to the folder `dir` (which must
+    /// exist): rows kept are saved there, and the fitting files already there are indexed
+    /// and read when a request first reuses them ([`PrefixCache::with_dir`]). Errs only
+    /// when the folder cannot be listed.
+    pub fn with_prefix_cache_dir(mut self, budget: usize, dir: &Path) -> Result<Self, EngineError> {
+        self.prefixes = if budget > 0 {
+            Some(PrefixCache::with_dir(
+                budget,
+                dir,
+                self.model,
+                &self.scheme,
+            )?)
+        } else {
+            None
+        };
+        Ok(self)
+    }
+
     /// The prefix store, where there is one.
-    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+    pub fn prefix_cache(&self) -> Option<&PrefixCache<'m>> {
         self.prefixes.as_ref()
     }
 

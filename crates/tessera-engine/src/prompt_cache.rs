@@ -8,7 +8,8 @@
 //! onto any device), and under the metadata key `tessera` one JSON [`Header`]: the format
 //! version, the model's fingerprint (architecture, layer count, [`Model::fingerprint`]),
 //! each layer's shape, signature, codec, rows and ring state, a CRC-32 of every buffer, the
-//! token ids each row holds and the reuse floor. Saving writes a temporary file in the
+//! token ids each row holds and the reuse floor; `tessera.crc32` holds the CRC-32 of that
+//! JSON text. Saving writes a temporary file in the
 //! same folder, fsyncs it and renames it over the target, so a reader sees the old file or
 //! the new one, never half of one.
 //!
@@ -36,6 +37,9 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const EXTENSION: &str = "tpc";
 /// The safetensors metadata key that holds the [`Header`].
 const HEADER_KEY: &str = "tessera";
+/// The key of the header text's CRC-32 (decimal): a changed token id or position in the
+/// header is as corrupt as a changed code in a plane.
+const HEADER_CRC_KEY: &str = "tessera.crc32";
 /// safetensors refuses headers above 100 MB; so do we, before reading one.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// More rows than any batch this engine runs: a header claiming them is corrupt.
@@ -223,7 +227,13 @@ pub fn save(
             views.push((tensor_name(l.layer, j), view));
         }
     }
-    let meta = HashMap::from([(HEADER_KEY.to_string(), json)]);
+    let meta = HashMap::from([
+        (
+            HEADER_CRC_KEY.to_string(),
+            crc32fast::hash(json.as_bytes()).to_string(),
+        ),
+        (HEADER_KEY.to_string(), json),
+    ]);
     let bytes = safetensors::serialize(views, Some(meta)).map_err(|e| bad(e.to_string()))?;
     write_atomically(path, &bytes)
         .map_err(|e| bad(format!("cannot write {}: {e}", path.display())))?;
@@ -262,7 +272,8 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// The header of the file at `path`, reading only the header's bytes (`tessera cache
-/// info`, the server's index of a cache folder). The tensors are not checked here.
+/// info`, the server's index of a cache folder), and the file's length, which must be what
+/// the header describes. The tensors' bytes are not read here.
 pub fn read_header(path: &Path) -> Result<(Header, u64), EngineError> {
     let at = |e: EngineError| match e {
         EngineError::PromptCache(m) => bad(format!("{}: {m}", path.display())),
@@ -282,7 +293,35 @@ pub fn read_header(path: &Path) -> Result<(Header, u64), EngineError> {
     }
     let mut text = vec![0u8; n as usize];
     f.read_exact(&mut text).map_err(io)?;
-    Ok((header_of(&text).map_err(at)?, len))
+    let header = header_of(&text).map_err(at)?;
+    // The tensors' offsets say how long the file is: a cut one is refused here already.
+    let data = data_bytes(&text).map_err(at)?;
+    if 8 + n + data != len {
+        return Err(at(bad(format!(
+            "the header describes {} bytes, the file has {len} (truncated or padded)",
+            8 + n + data
+        ))));
+    }
+    Ok((header, len))
+}
+
+/// The end of the last tensor's data, from a safetensors header's `data_offsets`.
+fn data_bytes(text: &[u8]) -> Result<u64, EngineError> {
+    #[derive(Deserialize)]
+    struct Entry {
+        data_offsets: (u64, u64),
+    }
+    let entries: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(text).map_err(|e| bad(format!("the safetensors header: {e}")))?;
+    entries
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .map(|(k, v)| {
+            serde_json::from_value::<Entry>(v)
+                .map(|e| e.data_offsets.1)
+                .map_err(|e| bad(format!("tensor {k}: {e}")))
+        })
+        .try_fold(0, |end, e| e.map(|e| end.max(e)))
 }
 
 /// Our header inside a safetensors header's JSON text.
@@ -294,11 +333,14 @@ fn header_of(text: &[u8]) -> Result<Header, EngineError> {
     }
     let outer: Outer = serde_json::from_slice(text)
         .map_err(|e| bad(format!("the safetensors header is not valid JSON: {e}")))?;
-    let json = outer
-        .metadata
-        .as_ref()
-        .and_then(|m| m.get(HEADER_KEY))
+    let meta = outer.metadata.unwrap_or_default();
+    let json = meta
+        .get(HEADER_KEY)
         .ok_or_else(|| bad("not a tessera prompt cache (no `tessera` metadata)"))?;
+    let crc = meta.get(HEADER_CRC_KEY).and_then(|c| c.parse::<u32>().ok());
+    if crc != Some(crc32fast::hash(json.as_bytes())) {
+        return Err(bad("header checksum mismatch (corrupt header)"));
+    }
     let header: Header = serde_json::from_str(json)
         .map_err(|e| bad(format!("the tessera header does not parse: {e}")))?;
     if header.format != FORMAT {
@@ -504,7 +546,9 @@ pub fn check_header(header: &Header, model: &Model, scheme: &KvScheme) -> Result
             header.left_pad.len()
         )));
     }
-    let expected = KvCache::new(&model.layer_specs(), scheme, vec![0; rows])?.signatures();
+    let expected = KvCache::new(&model.layer_specs(), scheme, vec![0; rows])
+        .map_err(|e| bad(format!("scheme: {e}")))?
+        .signatures();
     for (i, (l, want)) in header.layers.iter().zip(&expected).enumerate() {
         if l.signature != *want {
             return Err(bad(format!(

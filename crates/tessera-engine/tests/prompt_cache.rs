@@ -44,8 +44,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn a_saved_cache_continues_with_the_same_logits_bit_for_bit() {
     let (model, tok) = common::load(true);
     let dir = tempdir();
-    // 700 tokens: every sliding layer's 512-slot ring has wrapped.
-    let prompt = corpus_tokens(&tok, 1000, 700);
+    // 600 tokens: every sliding layer's 512-slot ring has wrapped.
+    let prompt = corpus_tokens(&tok, 1000, 600);
     for (name, scheme) in schemes() {
         let mut saved = Session::new(&model, &scheme, CHUNK).unwrap();
         let mut next = argmax(&saved.feed(&prompt).unwrap());
@@ -133,7 +133,10 @@ fn a_prompt_extending_the_cache_gives_the_cold_greedy_tokens() {
     let dir = tempdir();
     let extra = corpus_tokens(&tok, 20000, 30);
     let greedy = SamplerConfig::default();
-    for (name, scheme) in schemes() {
+    for (name, scheme) in schemes()
+        .into_iter()
+        .filter(|(n, _)| ["bf16", "affine:4", "turbo:4", "affine:4 from 200"].contains(n))
+    {
         // Prefill chunks also end at quantized_kv_start (where the cache converts).
         let cached = corpus_tokens(&tok, 9000, scheme.quantized_kv_start + 5 * CHUNK);
         let prompt: Vec<u32> = cached.iter().chain(&extra[1..]).copied().collect();

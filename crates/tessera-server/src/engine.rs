@@ -10,6 +10,7 @@ use crate::metrics::{Gauges, Metrics, Outcome, Tally};
 use crate::openai::{ApiError, Finish, TokenLogprob, TopLogprob};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message};
@@ -94,6 +95,9 @@ pub struct EngineParts {
     pub limits: BatchLimits,
     /// KV bytes of finished requests' rows kept for prefix reuse (0: none).
     pub prefix_cache: usize,
+    /// Where the prefix store mirrors its rows (`--prompt-cache-dir`), so they outlive the
+    /// process; `None`: in memory only.
+    pub prompt_cache_dir: Option<PathBuf>,
     /// `None`: the chat endpoint answers 400.
     pub chat_template: Option<ChatTemplate>,
     /// End of a completion: EOS (and EOT).
@@ -357,6 +361,29 @@ fn publish(metrics: &Metrics, batch: &Batch, tally: &mut Tally, base: (u64, u64)
     );
 }
 
+/// A fresh batch and its prefix store, which indexes `dir` where there is one (a folder
+/// that cannot be listed leaves the store in memory, with one stderr line).
+fn new_batch<'m>(
+    model: &'m Model,
+    scheme: &KvScheme,
+    prefill_chunk: usize,
+    limits: BatchLimits,
+    prefix_cache: usize,
+    dir: Option<&Path>,
+) -> Result<Batch<'m>, EngineError> {
+    let batch = Batch::new(model, scheme, prefill_chunk, limits)?;
+    let Some(dir) = dir else {
+        return Ok(batch.with_prefix_cache(prefix_cache));
+    };
+    match batch.with_prefix_cache_dir(prefix_cache, dir) {
+        Ok(b) => Ok(b),
+        Err(e) => {
+            eprintln!("{e}; the prefix cache is kept in memory only");
+            Ok(Batch::new(model, scheme, prefill_chunk, limits)?.with_prefix_cache(prefix_cache))
+        }
+    }
+}
+
 /// Runs the engine until every submission sender is gone.
 pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metrics>) {
     let EngineParts {
@@ -366,12 +393,14 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
         prefill_chunk,
         limits,
         prefix_cache,
+        prompt_cache_dir,
         chat_template,
         stop_tokens,
         chat_stop_tokens,
     } = parts;
-    let mut batch = match Batch::new(&model, &scheme, prefill_chunk, limits) {
-        Ok(b) => b.with_prefix_cache(prefix_cache),
+    let dir = prompt_cache_dir.as_deref();
+    let mut batch = match new_batch(&model, &scheme, prefill_chunk, limits, prefix_cache, dir) {
+        Ok(b) => b,
         Err(e) => {
             // Validated before the server starts; answer every request with the reason.
             while let Some(s) = rx.blocking_recv() {
@@ -550,8 +579,9 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                     let (hits, tokens) = p.hits();
                     prefix_base = (prefix_base.0 + hits, prefix_base.1 + tokens);
                 }
-                match Batch::new(&model, &scheme, prefill_chunk, limits) {
-                    Ok(b) => batch = b.with_prefix_cache(prefix_cache),
+                // The rows kept in memory are gone; those on disk are indexed again.
+                match new_batch(&model, &scheme, prefill_chunk, limits, prefix_cache, dir) {
+                    Ok(b) => batch = b,
                     Err(_) => return,
                 }
                 publish(&metrics, &batch, &mut tally, prefix_base);
