@@ -18,6 +18,8 @@
 #           concurrent (openai wheels carried in .device/wheels), then bench --batch 1/16/64
 #           (SERVE8B_CONC: the concurrencies; SERVE8B_LOAD: load.py's prompt/output flags;
 #           SERVE8B_GEN: bench's --gen-tokens)
+#   promptcache  tessera cache save --device cuda, generate --prompt-cache on cuda (== cold)
+#           and cpu, bench --prompt-cache on the synthetic 270M and 8B
 #   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
 #   real    tessera bench on the staged real Gemma 3 270M file ($STAGED)
 #   realeval  eval (decode regime) of the staged file, --device cpu vs cuda
@@ -114,6 +116,35 @@ for _ in range(600):
       for c in ${SERVE8B_CONC:-1 16 64}; do
         $T bench --model /tmp/llama3-8b.gguf --device cuda --batch $c --prompt-tokens 256 \
           --gen-tokens ${SERVE8B_GEN:-64} --repeat 1 2>&1 | tee -a $OUT/serve8b.txt
+      done ;;
+    promptcache)
+      # Prompt caches saved from the device (through the host) and loaded onto it: a prompt
+      # extending the cached one gives the cold run's greedy text (the cold run reads the
+      # cached part as one chunk, as the save did); a CUDA-made file also loads on the CPU;
+      # then time to first token cached vs cold, on the synthetic 270M and 8B.
+      log promptcache; synth gemma3-270m
+      [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      head -c 2400 .device/text.txt > /tmp/doc.txt; { cat /tmp/doc.txt; echo " and then"; } > /tmp/doc-q.txt
+      for kv in bf16 affine:4 turbo:4; do
+        f=/tmp/pc-$kv.tpc
+        $T cache save --model /tmp/gemma3-270m.gguf --device cuda --prompt-file /tmp/doc.txt --out $f --kv $kv --prefill-chunk 100000 2>&1 | tee -a $OUT/promptcache.txt
+        n=$($T cache info $f --json | python3 -c 'import json,sys;print(json.load(sys.stdin)["rows"][0])')
+        warm=$($T generate --model /tmp/gemma3-270m.gguf --device cuda --prompt-file /tmp/doc-q.txt --prompt-cache $f \
+          --temperature 0 --max-tokens 24 --prefill-chunk $n 2>>$OUT/promptcache.txt)
+        cold=$($T generate --model /tmp/gemma3-270m.gguf --device cuda --prompt-file /tmp/doc-q.txt --kv $kv \
+          --temperature 0 --max-tokens 24 --prefill-chunk $n 2>>$OUT/promptcache.txt)
+        cpu=$($T generate --model /tmp/gemma3-270m.gguf --device cpu --prompt-file /tmp/doc-q.txt --prompt-cache $f \
+          --temperature 0 --max-tokens 4 2>>$OUT/promptcache.txt)
+        echo "$kv: cuda warm == cold: $([ "$warm" == "$cold" ] && echo yes || echo NO) (cached $n tokens); loads on cpu: yes" | tee -a $OUT/promptcache.txt
+        [ "$warm" == "$cold" ]
+        $T bench --model /tmp/gemma3-270m.gguf --device cuda --prompt-cache $f --repeat 3 2>&1 | tee -a $OUT/promptcache.txt
+      done
+      head -c 17300 .device/text.txt > /tmp/doc4k.txt
+      for kv in bf16 affine:4; do
+        f=/tmp/pc8b-$kv.tpc
+        $T cache save --model /tmp/llama3-8b.gguf --device cuda --prompt-file /tmp/doc4k.txt --out $f --kv $kv 2>&1 | tee -a $OUT/promptcache.txt
+        $T bench --model /tmp/llama3-8b.gguf --device cuda --prompt-cache $f --repeat 3 2>&1 | tee -a $OUT/promptcache.txt
+        rm -f $f
       done ;;
     stage)
       mkdir -p $(dirname $STAGED)

@@ -12,7 +12,9 @@ use tessera_engine::chat::{ChatTemplate, Message, TemplateOrigin};
 use tessera_engine::eval::{evaluate, EvalMode};
 use tessera_engine::prompt_cache::{self, ReuseLimit};
 use tessera_engine::store::{self, FetchEvent};
-use tessera_engine::{Generation, SamplerConfig, Session, StopReason, TextStream};
+use tessera_engine::{
+    Generation, SamplerConfig, Session, StopReason, TextStream, DEFAULT_PREFILL_CHUNK,
+};
 use tessera_kv::{Isa, KvScheme};
 use tessera_models::{GgufFile, LoadOptions, Model, Tokenizer};
 
@@ -291,6 +293,7 @@ fn stop_words(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn generate(
     margs: &ModelArgs,
     prompt: &str,
@@ -502,7 +505,7 @@ pub fn cache_save(
     session.feed(&ids)?;
     let prefill = t.elapsed();
     let t = Instant::now();
-    let bytes = prompt_cache::save(out, &model, &[ids.clone()], session.cache())?;
+    let bytes = prompt_cache::save(out, &model, std::slice::from_ref(&ids), session.cache())?;
     eprintln!(
         "tessera: prefilled {} tokens in {:.2} s; wrote {:.2} MiB in {:.0} ms",
         ids.len(),
@@ -762,6 +765,72 @@ pub fn eval(
                 r.tokens_scored
             );
         }
+    }
+    Ok(())
+}
+
+/// `tessera eval --prompt-cache FILE`: the prefix the text shares with the cached prompt is
+/// not prefilled again; the next `tokens` tokens are decoded one at a time and scored.
+pub fn eval_prompt_cache(
+    margs: &ModelArgs,
+    text: &Path,
+    file: &Path,
+    kv: &Option<String>,
+    kv_start: usize,
+    tokens: usize,
+    json: bool,
+) -> Result<()> {
+    if kv.as_deref().is_some_and(|k| k.contains(',')) {
+        bail!("--prompt-cache evaluates the one scheme of its file: give at most one --kv");
+    }
+    if tokens == 0 {
+        bail!("--tokens must be at least 1");
+    }
+    let body = std::fs::read_to_string(text)
+        .with_context(|| format!("cannot read text file {}", text.display()))?;
+    let kv_args = KvArgs {
+        kv: kv.clone(),
+        kv_start,
+        kv_config: None,
+    };
+    let (model, tok) = load(margs)?;
+    let ids = tok.encode(&body, true)?;
+    let (held, _) = prompt_cache::read_header(file)?;
+    let held = held.tokens.first().map_or(0, Vec::len);
+    // Resumed at most one short of the cached prompt: feeding the next token gives the
+    // logits that predict the first scored one.
+    let until = held.min(ids.len());
+    let (mut session, reused, scheme) = open_session(
+        &model,
+        &kv_args,
+        &ids[..until],
+        DEFAULT_PREFILL_CHUNK,
+        Some(file),
+    )?;
+    if reused == 0 {
+        bail!("the text shares no reusable prefix with the cached prompt of {held} tokens");
+    }
+    let start = reused + 1;
+    let end = (start + tokens).min(ids.len());
+    if end <= start {
+        bail!("the text has no tokens after the {reused} it shares with the cached prompt");
+    }
+    let logits = session.feed(&ids[reused..start])?;
+    let t = Instant::now();
+    let (ppl, scored) =
+        tessera_engine::eval::decode_perplexity(&mut session, logits, &ids[start..end])?;
+    let secs = t.elapsed().as_secs_f64();
+    let label = kv.clone().unwrap_or_else(|| scheme.to_string());
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"kv": label, "ppl": ppl, "tokens_scored": scored, "cached_tokens": reused,
+                "kv_bytes_per_token": session.cache().bytes_per_token()})
+        );
+    } else {
+        println!("{:<16} {:>10} {:>8} {:>8}", "kv", "ppl", "cached", "scored");
+        println!("{label:<16} {ppl:>10.4} {reused:>8} {scored:>8}");
+        eprintln!("[scored {scored} tokens in {secs:.1} s after {reused} cached]");
     }
     Ok(())
 }

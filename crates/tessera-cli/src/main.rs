@@ -151,9 +151,10 @@ enum Command {
         /// Text file to score.
         #[arg(long)]
         text: PathBuf,
-        /// Comma-separated KV schemes, e.g. bf16,affine:8,affine:4.
-        #[arg(long, default_value = "bf16")]
-        kv: String,
+        /// Comma-separated KV schemes, e.g. bf16,affine:8,affine:4 (default bf16; with
+        /// --prompt-cache, the file's scheme).
+        #[arg(long)]
+        kv: Option<String>,
         /// Positions held in bf16 before a quantized scheme takes over.
         #[arg(long, default_value_t = 0)]
         kv_start: usize,
@@ -178,6 +179,11 @@ enum Command {
         /// Also write an SVG chart to FILE: KL divergence vs bf16 over bits per KV element.
         #[arg(long, value_name = "FILE")]
         plot: Option<PathBuf>,
+        /// Decode regime from this prompt cache: the text must start with the cached
+        /// prompt, which is not prefilled again; the next --tokens tokens are decoded and
+        /// scored (perplexity only, in the file's scheme: no bf16 run to compare with).
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["ctx", "plot", "kv_config"])]
+        prompt_cache: Option<PathBuf>,
     },
     /// Prefill and decode speed, peak memory and KV bytes.
     Bench {
@@ -394,6 +400,16 @@ fn run(cli: Cli) -> Result<()> {
             text,
             kv,
             kv_start,
+            tokens,
+            json,
+            prompt_cache: Some(file),
+            ..
+        } => commands::eval_prompt_cache(&model, &text, &file, &kv, kv_start, tokens, json),
+        Command::Eval {
+            model,
+            text,
+            kv,
+            kv_start,
             kv_config,
             ctx,
             chunks,
@@ -401,10 +417,11 @@ fn run(cli: Cli) -> Result<()> {
             tokens,
             json,
             plot,
+            prompt_cache: None,
         } => commands::eval(
             &model,
             &text,
-            &kv,
+            kv.as_deref().unwrap_or("bf16"),
             kv_start,
             kv_config.as_deref(),
             ctx,

@@ -226,3 +226,29 @@ pub fn evaluate(
         })
         .collect())
 }
+
+/// Perplexity of `targets` decoded one at a time after what `session` holds (the decode
+/// regime from a cache that was prefilled elsewhere, e.g. a prompt cache): `logits` are
+/// the session's logits for the first target. Returns the perplexity and the count scored.
+pub fn decode_perplexity(
+    session: &mut Session,
+    mut logits: Vec<f32>,
+    targets: &[u32],
+) -> Result<(f64, usize), EngineError> {
+    let mut nll = 0.0;
+    for (i, &target) in targets.iter().enumerate() {
+        let lp = log_softmax(&logits);
+        let Some(&p) = lp.get(target as usize) else {
+            return Err(EngineError::Invalid(format!(
+                "token id {target} is outside the model's vocabulary of {}",
+                lp.len()
+            )));
+        };
+        nll -= p;
+        if i + 1 < targets.len() {
+            logits = session.feed(&[target])?;
+        }
+    }
+    let n = targets.len().max(1) as f64;
+    Ok(((nll / n).exp(), targets.len()))
+}

@@ -20,7 +20,7 @@
 //! truncated, corrupt or foreign file is an error, never a panic or a half-built cache.
 
 use crate::{EngineError, Session};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -275,53 +275,18 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// info`, the server's index of a cache folder), and the file's length, which must be what
 /// the header describes. The tensors' bytes are not read here.
 pub fn read_header(path: &Path) -> Result<(Header, u64), EngineError> {
-    let at = |e: EngineError| match e {
+    let named = |e: EngineError| match e {
         EngineError::PromptCache(m) => bad(format!("{}: {m}", path.display())),
         e => e,
     };
     let io = |e: std::io::Error| bad(format!("{}: {e}", path.display()));
     let mut f = std::fs::File::open(path).map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|_| at(bad("shorter than a safetensors header")))?;
-    let n = u64::from_le_bytes(n);
-    if n > MAX_HEADER_BYTES || n > len.saturating_sub(8) {
-        return Err(at(bad(format!(
-            "a header of {n} bytes in a file of {len} bytes"
-        ))));
-    }
-    let mut text = vec![0u8; n as usize];
-    f.read_exact(&mut text).map_err(io)?;
-    let header = header_of(&text).map_err(at)?;
+    let text = read_header_text(&mut f, len).map_err(named)?;
+    let header = header_of(&text).map_err(named)?;
     // The tensors' offsets say how long the file is: a cut one is refused here already.
-    let data = data_bytes(&text).map_err(at)?;
-    if 8 + n + data != len {
-        return Err(at(bad(format!(
-            "the header describes {} bytes, the file has {len} (truncated or padded)",
-            8 + n + data
-        ))));
-    }
+    tensor_table(&text, len).map_err(named)?;
     Ok((header, len))
-}
-
-/// The end of the last tensor's data, from a safetensors header's `data_offsets`.
-fn data_bytes(text: &[u8]) -> Result<u64, EngineError> {
-    #[derive(Deserialize)]
-    struct Entry {
-        data_offsets: (u64, u64),
-    }
-    let entries: HashMap<String, serde_json::Value> =
-        serde_json::from_slice(text).map_err(|e| bad(format!("the safetensors header: {e}")))?;
-    entries
-        .into_iter()
-        .filter(|(k, _)| k != "__metadata__")
-        .map(|(k, v)| {
-            serde_json::from_value::<Entry>(v)
-                .map(|e| e.data_offsets.1)
-                .map_err(|e| bad(format!("tensor {k}: {e}")))
-        })
-        .try_fold(0, |end, e| e.map(|e| end.max(e)))
 }
 
 /// Our header inside a safetensors header's JSON text.
@@ -399,17 +364,29 @@ impl Header {
 }
 
 /// Reads the prompt cache at `path` for `model`. `scheme`: the scheme the caller runs
-/// (the file must have been made with it); `None` takes the file's own.
+/// (the file must have been made with it); `None` takes the file's own. Only the header
+/// is read whole; each plane buffer is then read from its offset into its own memory
+/// (layers in parallel) and checked against its CRC.
 pub fn load(
     path: &Path,
     model: &Model,
     scheme: Option<&KvScheme>,
 ) -> Result<PromptCache, EngineError> {
-    let bytes = std::fs::read(path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
-    decode(&bytes, model, scheme).map_err(|e| match e {
+    use std::os::unix::fs::FileExt;
+    let named = |e: EngineError| match e {
         EngineError::PromptCache(m) => bad(format!("{}: {m}", path.display())),
         e => e,
-    })
+    };
+    let io = |e: std::io::Error| bad(format!("{}: {e}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    let text = read_header_text(&mut f, len).map_err(named)?;
+    let read = |at: u64, n: usize| -> std::io::Result<Vec<u8>> {
+        let mut buf = vec![0u8; n];
+        f.read_exact_at(&mut buf, at)?;
+        Ok(buf)
+    };
+    decode_with(&text, len, read, model, scheme).map_err(named)
 }
 
 /// [`load`] from the file's bytes.
@@ -418,11 +395,89 @@ pub fn decode(
     model: &Model,
     scheme: Option<&KvScheme>,
 ) -> Result<PromptCache, EngineError> {
-    let (n, _) = SafeTensors::read_metadata(bytes)
+    let len = bytes.len() as u64;
+    let text = read_header_text(&mut &bytes[..], len)?;
+    let read = |at: u64, n: usize| -> std::io::Result<Vec<u8>> {
+        usize::try_from(at)
+            .ok()
+            .and_then(|at| bytes.get(at..at.checked_add(n)?))
+            .map(<[u8]>::to_vec)
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))
+    };
+    decode_with(&text, len, read, model, scheme)
+}
+
+/// The safetensors header's JSON text of a file of `len` bytes (its 8-byte length first,
+/// checked against the file before anything is allocated).
+fn read_header_text(r: &mut impl Read, len: u64) -> Result<Vec<u8>, EngineError> {
+    let mut n = [0u8; 8];
+    r.read_exact(&mut n)
+        .map_err(|_| bad("shorter than a safetensors header"))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER_BYTES || n > len.saturating_sub(8) {
+        return Err(bad(format!(
+            "not a valid safetensors file: a header of {n} bytes in a file of {len} bytes"
+        )));
+    }
+    let mut text = vec![0u8; n as usize];
+    r.read_exact(&mut text)
+        .map_err(|e| bad(format!("reading the header: {e}")))?;
+    Ok(text)
+}
+
+/// One tensor of the safetensors header.
+#[derive(Deserialize)]
+struct TensorEntry {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// The tensors the safetensors header lists, by name, each checked to lie inside a data
+/// section that ends exactly at the end of the file.
+fn tensor_table(text: &[u8], len: u64) -> Result<HashMap<String, TensorEntry>, EngineError> {
+    let entries: HashMap<String, serde_json::Value> = serde_json::from_slice(text)
         .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
-    let header = header_of(&bytes[8..8 + n])?;
-    let tensors = SafeTensors::deserialize(bytes)
-        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let data = len - 8 - text.len() as u64;
+    let mut table = HashMap::with_capacity(entries.len());
+    let mut end = 0;
+    for (name, v) in entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let t: TensorEntry =
+            serde_json::from_value(v).map_err(|e| bad(format!("tensor {name}: {e}")))?;
+        let (a, b) = t.data_offsets;
+        if a > b || b > data {
+            return Err(bad(format!(
+                "tensor {name}: bytes {a}..{b} of a data section of {data} (truncated or corrupt)"
+            )));
+        }
+        end = end.max(b);
+        table.insert(name, t);
+    }
+    if end != data {
+        return Err(bad(format!(
+            "the header describes {} bytes, the file has {len} (truncated or padded)",
+            8 + text.len() as u64 + end
+        )));
+    }
+    Ok(table)
+}
+
+/// [`load`] and [`decode`]: `text` is the safetensors header of a file of `len` bytes,
+/// `read(offset, n)` reads `n` bytes at `offset` of the file.
+fn decode_with(
+    text: &[u8],
+    len: u64,
+    read: impl Fn(u64, usize) -> std::io::Result<Vec<u8>> + Sync,
+    model: &Model,
+    scheme: Option<&KvScheme>,
+) -> Result<PromptCache, EngineError> {
+    use rayon::prelude::*;
+    let header = header_of(text)?;
+    let tensors = tensor_table(text, len)?;
+    let data_start = 8 + text.len() as u64;
     let scheme = match scheme {
         Some(s) => s.clone(),
         None => header.scheme()?,
@@ -430,9 +485,14 @@ pub fn decode(
     check_header(&header, model, &scheme)?;
     let specs = model.layer_specs();
     let rows = header.tokens.len();
-    let mut buffers_seen = 0;
-    let mut layers = Vec::with_capacity(specs.len());
-    for (i, (l, spec)) in header.layers.iter().zip(&specs).enumerate() {
+    let buffers_named: usize = header.layers.iter().map(|l| l.buffers.len()).sum();
+    if buffers_named != tensors.len() {
+        return Err(bad(format!(
+            "{} tensors, the header names {buffers_named}",
+            tensors.len()
+        )));
+    }
+    let layer = |(i, (l, spec)): (usize, (&LayerHeader, &LayerSpec))| {
         if l.ends.len() != rows || l.held_from.len() != rows {
             return Err(bad(format!(
                 "layer {i}: {} ends and {} oldest positions for {rows} rows",
@@ -462,25 +522,26 @@ pub fn decode(
         for (j, b) in l.buffers.iter().enumerate() {
             let name = tensor_name(i, j);
             let t = tensors
-                .tensor(&name)
-                .map_err(|_| bad(format!("tensor {name}: missing")))?;
-            if t.dtype() != Dtype::U8 || t.data().len() != b.bytes {
+                .get(&name)
+                .ok_or_else(|| bad(format!("tensor {name}: missing")))?;
+            let (a, z) = t.data_offsets;
+            if t.dtype != "U8" || t.shape != [b.bytes as u64] || z - a != b.bytes as u64 {
                 return Err(bad(format!(
-                    "tensor {name}: {:?} of {} bytes, the header says U8 of {}",
-                    t.dtype(),
-                    t.data().len(),
-                    b.bytes
+                    "tensor {name}: {} {:?} at bytes {a}..{z}, the header says U8 of {}",
+                    t.dtype, t.shape, b.bytes
                 )));
             }
-            if crc32fast::hash(t.data()) != b.crc32 {
+            // The size is backed: it lies inside the file (`tensor_table`).
+            let data =
+                read(data_start + a, b.bytes).map_err(|e| bad(format!("tensor {name}: {e}")))?;
+            if crc32fast::hash(&data) != b.crc32 {
                 return Err(bad(format!(
                     "tensor {name}: checksum mismatch (corrupt data)"
                 )));
             }
-            buffers.push(t.data().to_vec());
+            buffers.push(data);
         }
-        buffers_seen += l.buffers.len();
-        layers.push(LayerState {
+        Ok(LayerState {
             layer: i,
             spec: *spec,
             slack: l.slack,
@@ -502,14 +563,15 @@ pub fn decode(
                 capacity: l.capacity,
                 buffers,
             },
-        });
-    }
-    if buffers_seen != tensors.len() {
-        return Err(bad(format!(
-            "{} tensors, the header names {buffers_seen}",
-            tensors.len()
-        )));
-    }
+        })
+    };
+    let layers = header
+        .layers
+        .par_iter()
+        .zip(&specs)
+        .enumerate()
+        .map(layer)
+        .collect::<Result<Vec<_>, EngineError>>()?;
     let state = tessera_kv::CacheState {
         version: header.state_version,
         layers,

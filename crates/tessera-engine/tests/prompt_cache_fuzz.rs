@@ -170,7 +170,7 @@ fn mutated_and_truncated_files_give_clean_errors() {
         let mut s = Session::new(&model, scheme, 16).unwrap();
         s.feed(&prompt).unwrap();
         let path: PathBuf = dir.join(format!("orig-{i}.tpc"));
-        prompt_cache::save(&path, &model, &[prompt.clone()], s.cache()).unwrap();
+        prompt_cache::save(&path, &model, std::slice::from_ref(&prompt), s.cache()).unwrap();
         std::fs::read(&path).unwrap()
     })
     .collect();

@@ -180,11 +180,22 @@ impl KvCache {
                 state.prefill
             )));
         }
-        let layers = state
-            .layers
-            .iter()
-            .map(|l| LayerCache::from_state(l, device))
-            .collect::<Result<Vec<_>, _>>()?;
+        // Host layers are rebuilt in parallel (each copies its buffers into its planes);
+        // device layers one after another, on the device's one stream.
+        let layers = if device.is_cpu() {
+            use rayon::prelude::*;
+            state
+                .layers
+                .par_iter()
+                .map(|l| LayerCache::from_state(l, device))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            state
+                .layers
+                .iter()
+                .map(|l| LayerCache::from_state(l, device))
+                .collect::<Result<Vec<_>, _>>()?
+        };
         let mut cache = KvCache::of_layers(layers, state.left_pad.clone());
         cache.set_prefill(state.prefill.clone());
         Ok(cache)
