@@ -235,6 +235,14 @@ impl<'m> Batch<'m> {
     }
 
     /// The prefix store, where there is one.
+    /// The prefix store's notes since the last call (files skipped, dropped or not saved),
+    /// for the caller to log.
+    pub fn take_notes(&mut self) -> Vec<String> {
+        self.prefixes
+            .as_mut()
+            .map_or_else(Vec::new, PrefixCache::take_notes)
+    }
+
     pub fn prefix_cache(&self) -> Option<&PrefixCache<'m>> {
         self.prefixes.as_ref()
     }

@@ -55,6 +55,9 @@ pub struct PrefixCache<'m> {
     hits: u64,
     reused_tokens: u64,
     disk: Option<Disk<'m>>,
+    /// What the folder mirror has to say (files skipped, dropped, not saved), for the
+    /// caller to log: library code prints nothing.
+    notes: Vec<String>,
 }
 
 /// The store's file name for a row holding `tokens`: the first 16 hex digits of the
@@ -92,7 +95,13 @@ impl<'m> PrefixCache<'m> {
             hits: 0,
             reused_tokens: 0,
             disk: None,
+            notes: Vec::new(),
         }
+    }
+
+    /// The notes gathered since the last call (see the `notes` field), oldest first.
+    pub fn take_notes(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.notes)
     }
 
     /// A store of at most `budget` bytes mirrored to the folder `dir` (which must exist),
@@ -130,21 +139,21 @@ impl<'m> PrefixCache<'m> {
             let header = match header {
                 Ok(h) => h,
                 Err(e) => {
-                    eprintln!(
+                    store.notes.push(format!(
                         "prompt cache: skipping {}: {}",
                         path.display(),
                         reason(&e, &path)
-                    );
+                    ));
                     continue;
                 }
             };
             let [tokens] = header.tokens.as_slice() else {
-                eprintln!(
+                store.notes.push(format!(
                     "prompt cache: skipping {}: a cache of {} rows (the prefix store keeps \
                      one-row caches)",
                     path.display(),
                     header.tokens.len()
-                );
+                ));
                 continue;
             };
             // A newer file holding these tokens or extending them (or held by them: a
@@ -153,12 +162,12 @@ impl<'m> PrefixCache<'m> {
             if tokens.is_empty() || store.entries.iter().any(related) {
                 continue;
             }
-            let bytes: usize = header
+            // Saturating: the sizes are the file's word until it is read.
+            let bytes = header
                 .layers
                 .iter()
                 .flat_map(|l| &l.buffers)
-                .map(|b| b.bytes)
-                .sum();
+                .fold(0usize, |sum, b| sum.saturating_add(b.bytes));
             if beyond > 0 || store.bytes().saturating_add(bytes) > budget {
                 beyond += 1;
                 continue;
@@ -178,7 +187,7 @@ impl<'m> PrefixCache<'m> {
             e.used = n - i as u64;
         }
         store.clock = n;
-        eprintln!(
+        store.notes.push(format!(
             "prompt cache: {}: {n} cached prefixes indexed ({:.1} MiB of {:.1}){}",
             dir.display(),
             store.bytes() as f64 / (1 << 20) as f64,
@@ -188,7 +197,7 @@ impl<'m> PrefixCache<'m> {
             } else {
                 String::new()
             }
-        );
+        ));
         store.disk = Some(Disk {
             dir: dir.to_path_buf(),
             model,
@@ -241,7 +250,7 @@ impl<'m> PrefixCache<'m> {
             .partition(|e| tokens.starts_with(&e.tokens));
         self.entries = kept;
         for e in redundant {
-            remove_file(e.file.as_deref());
+            self.notes.extend(remove_file(e.file.as_deref()));
         }
         let file = self.save(&tokens, &cache);
         self.clock += 1;
@@ -257,17 +266,17 @@ impl<'m> PrefixCache<'m> {
     }
 
     /// `cache` saved to the folder under its tokens' name, where there is a folder.
-    fn save(&self, tokens: &[u32], cache: &KvCache) -> Option<PathBuf> {
+    fn save(&mut self, tokens: &[u32], cache: &KvCache) -> Option<PathBuf> {
         let disk = self.disk.as_ref()?;
         let path = disk.dir.join(file_name(tokens));
         match prompt_cache::save(&path, disk.model, &[tokens.to_vec()], cache) {
             Ok(_) => Some(path),
             Err(e) => {
-                eprintln!(
+                self.notes.push(format!(
                     "prompt cache: cannot save {} (the prefix stays in memory only): {}",
                     path.display(),
                     reason(&e, &path)
-                );
+                ));
                 None
             }
         }
@@ -280,7 +289,7 @@ impl<'m> PrefixCache<'m> {
                 break;
             };
             let e = self.entries.remove(oldest);
-            remove_file(e.file.as_deref());
+            self.notes.extend(remove_file(e.file.as_deref()));
         }
     }
 
@@ -301,10 +310,10 @@ impl<'m> PrefixCache<'m> {
             Ok(_) => "its tokens changed since the folder was indexed".to_string(),
             Err(e) => reason(&e, path),
         };
-        eprintln!(
+        self.notes.push(format!(
             "prompt cache: dropping {} from the index: {why}",
             path.display()
-        );
+        ));
         false
     }
 
@@ -377,13 +386,16 @@ impl<'m> PrefixCache<'m> {
     }
 }
 
-/// Deletes a dropped row's file, where it has one.
-fn remove_file(path: Option<&Path>) {
-    let Some(path) = path else { return };
+/// Deletes a dropped row's file, where it has one; the note when that fails.
+fn remove_file(path: Option<&Path>) -> Option<String> {
+    let path = path?;
     match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => eprintln!("prompt cache: cannot delete {}: {e}", path.display()),
+        Ok(()) => None,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => Some(format!(
+            "prompt cache: cannot delete {}: {e}",
+            path.display()
+        )),
     }
 }
 

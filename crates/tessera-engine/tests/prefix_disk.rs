@@ -10,7 +10,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 use tessera_engine::prefix::{file_name, PrefixCache};
 use tessera_engine::prompt_cache;
 use tessera_engine::{
@@ -171,7 +171,6 @@ fn a_row_outlives_its_batch_and_bad_files_are_skipped() {
     );
     drop(first);
 
-    let started = Instant::now();
     let mut second = Batch::new(&model, &scheme, CHUNK, BatchLimits::default())
         .unwrap()
         .with_prefix_cache_dir(budget, &dir.0)
@@ -179,10 +178,6 @@ fn a_row_outlives_its_batch_and_bad_files_are_skipped() {
     let store = second.prefix_cache().unwrap();
     assert_eq!((store.len(), store.lazy()), (1, 1), "indexed, not read");
     assert!(store.bytes() > 0, "a lazy row counts against the budget");
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "indexing reads headers only"
-    );
     let (got, cached) = serve_one(&mut second, greedy(b.clone(), 6));
     assert_eq!(cached, 4 * CHUNK, "B reuses A's first 256 tokens");
     assert_eq!(got, want_b, "B's tokens equal a cold run");
@@ -201,19 +196,29 @@ fn a_row_outlives_its_batch_and_bad_files_are_skipped() {
         *byte ^= 0x5a;
     }
     std::fs::write(&corrupt, &bytes).unwrap();
-    let truncated = save_row(
+    let truncate = |path: &Path| {
+        let len = std::fs::metadata(path).unwrap().len();
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_len(len * 3 / 4)
+            .unwrap();
+    };
+    // Cut before the index is built (its header's lengths give it away), and after.
+    let cut_early = save_row(
+        &bad.0,
+        &model,
+        &scheme,
+        &cat(&a[..160], &corpus_tokens(&tok, 12000, 20, false)),
+    );
+    truncate(&cut_early);
+    let cut_late = save_row(
         &bad.0,
         &model,
         &scheme,
         &cat(&a[..3 * CHUNK], &corpus_tokens(&tok, 20000, 20, false)),
     );
-    let len = std::fs::metadata(&truncated).unwrap().len();
-    std::fs::File::options()
-        .write(true)
-        .open(&truncated)
-        .unwrap()
-        .set_len(len * 3 / 4)
-        .unwrap();
     let good_tokens = cat(&a[..2 * CHUNK], &corpus_tokens(&tok, 31000, 20, false));
     save_row(&bad.0, &model, &scheme, &good_tokens);
     let affine = KvScheme::parse("affine:4").unwrap();
@@ -222,14 +227,14 @@ fn a_row_outlives_its_batch_and_bad_files_are_skipped() {
     prompt_cache::save(
         &foreign,
         &model,
-        &[foreign_tokens.clone()],
+        std::slice::from_ref(&foreign_tokens),
         &row(&model, &affine, &foreign_tokens),
     )
     .unwrap();
     let junk = bad.0.join("junk.tpc");
     std::fs::write(&junk, b"not a prompt cache at all").unwrap();
     let before = tpc_files(&bad.0);
-    assert_eq!(before.len(), 5);
+    assert_eq!(before.len(), 6);
 
     let mut third = Batch::new(&model, &scheme, CHUNK, BatchLimits::default())
         .unwrap()
@@ -239,13 +244,36 @@ fn a_row_outlives_its_batch_and_bad_files_are_skipped() {
     assert_eq!(
         (store.len(), store.lazy()),
         (3, 3),
-        "the corrupt, truncated and good rows are indexed; the affine:4 and junk files not"
+        "the corrupt, the late-cut and the good rows are indexed; the early-cut, affine:4 \
+         and junk files not"
     );
+    // Each skipped file is named in a note for the server's log, with its reason.
+    let notes = third.take_notes().join("\n");
+    for (f, why) in [
+        (&cut_early, "truncated"),
+        (&foreign, "signature"),
+        (&junk, "not a valid safetensors file"),
+    ] {
+        let line = notes
+            .lines()
+            .find(|l| l.contains(&*f.display().to_string()))
+            .unwrap_or_else(|| panic!("no note names {}: {notes}", f.display()));
+        assert!(line.contains("skipping") && line.contains(why), "{line}");
+    }
+    assert!(notes.contains("3 cached prefixes indexed"), "{notes}");
+    truncate(&cut_late);
     let (got, cached) = serve_one(&mut third, greedy(b.clone(), 6));
+    let notes = third.take_notes().join("\n");
+    for f in [&corrupt, &cut_late] {
+        assert!(
+            notes.contains(&format!("dropping {} from the index", f.display())),
+            "{notes}"
+        );
+    }
     assert_eq!(
         cached,
         2 * CHUNK,
-        "the corrupt (256) and truncated (192) matches fail to read; the good one gives 128"
+        "the corrupt (256) and cut (192) matches fail to read; the good one gives 128"
     );
     assert_eq!(got, want_b, "B's tokens equal a cold run");
     let store = third.prefix_cache().unwrap();
@@ -261,17 +289,19 @@ fn a_row_outlives_its_batch_and_bad_files_are_skipped() {
 
     // Only unreadable files: the request is served cold.
     let only_bad = tempdir("only-bad");
-    for f in [&corrupt, &truncated] {
+    for f in [&corrupt, &cut_early, &cut_late] {
         std::fs::copy(f, only_bad.0.join(f.file_name().unwrap())).unwrap();
     }
     let mut fourth = Batch::new(&model, &scheme, CHUNK, BatchLimits::default())
         .unwrap()
         .with_prefix_cache_dir(budget, &only_bad.0)
         .unwrap();
-    assert_eq!(fourth.prefix_cache().unwrap().lazy(), 2);
+    assert_eq!(fourth.prefix_cache().unwrap().lazy(), 1, "the corrupt one");
     let (got, cached) = serve_one(&mut fourth, greedy(b.clone(), 6));
-    assert_eq!(cached, 0, "both matches fail to read: a cold prefill");
+    assert_eq!(cached, 0, "the only match fails to read: a cold prefill");
     assert_eq!(got, want_b);
+    let store = fourth.prefix_cache().unwrap();
+    assert_eq!((store.len(), store.lazy()), (1, 0), "B's row alone");
 }
 
 /// The store's files follow its rows: a row a longer one extends loses its file, a row
@@ -357,35 +387,4 @@ fn files_follow_the_rows_and_the_budget() {
         .expect("the row is held in memory");
     assert_eq!(len, r1.len());
     assert!(PrefixCache::with_dir(budget, &gone.0, &model, &scheme).is_err());
-}
-
-/// How long saving one row of a ~400-token Gemma prompt takes (the store does it on the
-/// engine thread): printed, and bounded loosely so a pathological slowdown fails.
-#[test]
-fn saving_a_400_token_row_is_quick() {
-    let (model, tok) = common::load(false);
-    let dir = tempdir("timing");
-    let tokens = corpus_tokens(&tok, 4000, 400, true);
-    for kv in ["bf16", "affine:4"] {
-        let scheme = KvScheme::parse(kv).unwrap();
-        let cache = row(&model, &scheme, &tokens);
-        let mut times = Vec::new();
-        let mut bytes = 0;
-        for i in 0..5 {
-            let path = dir.0.join(format!("{kv}-{i}.tpc").replace(':', "_"));
-            let t = Instant::now();
-            bytes = prompt_cache::save(&path, &model, &[tokens.clone()], &cache).unwrap();
-            times.push(t.elapsed());
-        }
-        times.sort();
-        eprintln!(
-            "save of a {}-token {kv} row ({:.1} MiB): median {:?}, min {:?}, max {:?}",
-            tokens.len(),
-            bytes as f64 / (1 << 20) as f64,
-            times[2],
-            times[0],
-            times[4]
-        );
-        assert!(times[2] < Duration::from_secs(2), "{times:?}");
-    }
 }

@@ -384,6 +384,13 @@ fn new_batch<'m>(
     }
 }
 
+/// The prefix store's notes (prompt cache files skipped, dropped or not saved) on stderr.
+fn log_notes(batch: &mut Batch) {
+    for note in batch.take_notes() {
+        eprintln!("{note}");
+    }
+}
+
 /// Runs the engine until every submission sender is gone.
 pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metrics>) {
     let EngineParts {
@@ -412,6 +419,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
             return;
         }
     };
+    log_notes(&mut batch);
     let mut live: HashMap<RequestId, Live> = HashMap::new();
     let mut tally = Tally::default();
     // Prefix-store hits of batches a failure replaced.
@@ -584,6 +592,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                     Ok(b) => batch = b,
                     Err(_) => return,
                 }
+                log_notes(&mut batch);
                 publish(&metrics, &batch, &mut tally, prefix_base);
                 for (to, reply) in outbox.drain(..) {
                     let _ = to.send(reply);
@@ -591,6 +600,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                 continue;
             }
         };
+        log_notes(&mut batch);
         let now = Instant::now();
         for event in events {
             match event {
