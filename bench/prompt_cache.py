@@ -5,6 +5,9 @@ the corpus, cached once and reused with a short question after it.
 - tessera: `tessera cache save` per KV scheme (file size, save time), then `tessera bench
   --prompt-cache` (time to first token: load + prefill of the question, against a cold
   prefill of all the same tokens, in one process; load GB/s from the warm page cache).
+- tessera serve --prompt-cache-dir: the document plus a question in one process, then a
+  restart and the document plus another question (time to first token of the new
+  process's first request, which reuses the row the first process left on disk).
 - llama-server (`--slot-save-path`, one slot): the document prefilled cold (time to first
   token measured by the client), the slot saved (file size, save_ms), erased and restored
   (restore_ms), then the document plus the question (time to first token, and how many
@@ -124,12 +127,42 @@ def llama(doc_text, tmp, kinds):
             proc.wait()
 
 
+def serve_restart(doc_text, tmp, kv):
+    """tessera serve --prompt-cache-dir: the document plus one question (cold), a restart,
+    then the document plus another question: the first request of the new process."""
+    store = os.path.join(tmp, "store-" + kv.replace(":", "_"))
+    os.makedirs(store, exist_ok=True)
+    out = []
+    for q in ["\n\nQuestion: who is the eldest sister?\nAnswer:", "\n\nQuestion: where do they live?\nAnswer:"]:
+        proc = subprocess.Popen(
+            [TESSERA, "serve", "--model", MODEL, "--port", str(PORT), "--kv", kv,
+             "--prefix-cache", "256", "--prompt-cache-dir", store],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_up()
+            v, secs = post("/v1/completions", {"prompt": doc_text + q, "max_tokens": 1, "temperature": 0})
+            out.append((secs, v["usage"]["prompt_tokens"], v["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        finally:
+            proc.terminate()
+            proc.wait()
+    files = [f for f in os.listdir(store) if f.endswith(".tpc")]
+    size = sum(os.path.getsize(os.path.join(store, f)) for f in files)
+    (cold, n0, c0), (warm, n1, c1) = out
+    print(
+        f"tessera serve {kv:<9} --prompt-cache-dir: first process {n0} prompt tokens, {c0} cached, "
+        f"TTFT {cold * 1e3:7.1f} ms | after a restart {n1} prompt tokens, {c1} cached, TTFT {warm * 1e3:7.1f} ms "
+        f"| {len(files)} file(s), {size / 2**20:.2f} MiB on disk",
+        flush=True,
+    )
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--chars", type=int, default=17300)
     p.add_argument("--at", type=int, default=20000)
     p.add_argument("--suffix-tokens", type=int, default=16)
     p.add_argument("--schemes", default="bf16,affine:4,turbo:4")
+    p.add_argument("--serve-schemes", default="bf16,affine:4")
     # `+swa-full`: a full-size cache for the sliding layers too, which llama.cpp needs to
     # reuse a prefix on Gemma 3 (without it the restored slot is read again in full).
     p.add_argument("--llama-kinds", default="f16,f16+swa-full,q8_0+swa-full,q4_0+swa-full")
@@ -143,6 +176,8 @@ def main():
         name = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
         print(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {name} nproc={os.cpu_count()} model={os.path.basename(MODEL)}")
         tessera(doc, tmp, a.suffix_tokens, a.schemes.split(","))
+        for kv in a.serve_schemes.split(",") if a.serve_schemes else []:
+            serve_restart(text, tmp, kv)
         if a.llama_kinds:
             llama(text, tmp, a.llama_kinds.split(","))
 

@@ -144,7 +144,17 @@ struct Prefill {
     fed: usize,
     cached: usize,
     kv_bytes: usize,
+    /// Where a chunk ends and the row is kept in the prefix store too (see
+    /// [`PREFIX_CHECKPOINT`]).
+    checkpoint: Option<usize>,
 }
+
+/// With a prefix store, on a model with sliding-window layers, a prompt is also kept as it
+/// stood this many tokens before its end. A wrapped ring cannot be cut back, so the
+/// finished row (prompt and reply) gives back only itself; the checkpoint serves the next
+/// prompt that shares all but the last few dozen tokens (the same document or system
+/// prompt with another question, a regenerated last turn).
+pub const PREFIX_CHECKPOINT: usize = 64;
 
 /// Requests decoded together; see the module docs.
 pub struct Batch<'m> {
@@ -234,7 +244,6 @@ impl<'m> Batch<'m> {
         Ok(self)
     }
 
-    /// The prefix store, where there is one.
     /// The prefix store's notes since the last call (files skipped, dropped or not saved),
     /// for the caller to log.
     pub fn take_notes(&mut self) -> Vec<String> {
@@ -243,6 +252,7 @@ impl<'m> Batch<'m> {
             .map_or_else(Vec::new, PrefixCache::take_notes)
     }
 
+    /// The prefix store, where there is one.
     pub fn prefix_cache(&self) -> Option<&PrefixCache<'m>> {
         self.prefixes.as_ref()
     }
@@ -387,6 +397,12 @@ impl<'m> Batch<'m> {
                 0,
             ),
         };
+        let rings = self.layer_costs.iter().any(|(_, window)| window.is_some());
+        let checkpoint = request
+            .prompt
+            .len()
+            .checked_sub(PREFIX_CHECKPOINT)
+            .filter(|&c| self.prefixes.is_some() && rings && c > fed.max(PREFIX_CHECKPOINT));
         self.prefill = Some(Prefill {
             id,
             request,
@@ -394,6 +410,7 @@ impl<'m> Batch<'m> {
             fed,
             cached: fed,
             kv_bytes: bytes,
+            checkpoint,
         });
         Ok(())
     }
@@ -406,15 +423,23 @@ impl<'m> Batch<'m> {
             return Ok(());
         };
         let rest = p.request.prompt.len() - p.fed;
-        let len = p
+        let mut len = p
             .cache
             .max_append_tokens()
             .map_or(self.prefill_chunk, |m| m.min(self.prefill_chunk))
             .min(rest);
+        if let Some(c) = p.checkpoint.filter(|&c| p.fed < c) {
+            len = len.min(c - p.fed);
+        }
         let chunk = &p.request.prompt[p.fed..p.fed + len];
         let ids = Tensor::from_slice(chunk, (1, len), self.model.device())?;
         let logits = self.model.forward(&ids, &mut p.cache, LogitsMode::Last)?;
         p.fed += len;
+        if p.checkpoint == Some(p.fed) {
+            if let Some(store) = self.prefixes.as_mut() {
+                store.insert(p.request.prompt[..p.fed].to_vec(), p.cache.extract(0)?);
+            }
+        }
         if p.fed < p.request.prompt.len() {
             return Ok(());
         }

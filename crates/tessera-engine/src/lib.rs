@@ -23,7 +23,7 @@ pub mod store;
 
 pub use batch::{
     generate_batch_greedy, Batch, BatchLimits, Event, GenerationRequest, RequestId, TokenLogprobs,
-    MAX_TOP_LOGPROBS,
+    MAX_TOP_LOGPROBS, PREFIX_CHECKPOINT,
 };
 pub use error::EngineError;
 pub use generate::{Generation, StopReason, TextStream};

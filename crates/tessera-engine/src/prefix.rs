@@ -156,10 +156,10 @@ impl<'m> PrefixCache<'m> {
                 ));
                 continue;
             };
-            // A newer file holding these tokens or extending them (or held by them: a
-            // row saved before a crash could delete the one it replaced) covers them.
-            let related = |e: &Entry| e.tokens.starts_with(tokens) || tokens.starts_with(&e.tokens);
-            if tokens.is_empty() || store.entries.iter().any(related) {
+            // A newer file holding the same tokens covers this one. One that extends them
+            // may not (a wrapped ring cannot be cut back, which its header alone does not
+            // tell), so both are indexed, as `insert` would have kept both.
+            if tokens.is_empty() || store.entries.iter().any(|e| e.tokens == *tokens) {
                 continue;
             }
             // Saturating: the sizes are the file's word until it is read.
@@ -232,22 +232,26 @@ impl<'m> PrefixCache<'m> {
 
     /// Keeps `cache` (one row holding exactly `tokens`), evicting the least recently used
     /// rows past the budget. A row larger than the whole budget, or one whose tokens another
-    /// row already holds (or extends), is not kept. With a folder the row is saved there
-    /// too (a failure is one stderr line; the row is then kept in memory only), and the
-    /// files of rows it replaces or evicts are deleted.
+    /// row already holds (or extends and can be cut back to), is not kept. With a folder the
+    /// row is saved there too (a failure is a note; the row is then kept in memory only),
+    /// and the files of rows it replaces or evicts are deleted.
     pub fn insert(&mut self, tokens: Vec<u32>, cache: KvCache) {
         let bytes = cache.allocated_bytes();
         if tokens.is_empty() || cache.batch() != 1 || bytes > self.budget {
             return;
         }
-        if self.entries.iter().any(|e| e.tokens.starts_with(&tokens)) {
+        if self
+            .entries
+            .iter()
+            .any(|e| covers(&e.tokens, e.cache.as_ref(), &tokens))
+        {
             return;
         }
-        // A stored row this one extends is now redundant. Its file goes before the new
-        // one is written, so a (vanishingly unlikely) name collision keeps the new file.
-        let (redundant, kept) = std::mem::take(&mut self.entries)
+        // A stored row this one covers is now redundant. Its file goes before the new one
+        // is written, so a (vanishingly unlikely) name collision keeps the new file.
+        let (redundant, kept): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut self.entries)
             .into_iter()
-            .partition(|e| tokens.starts_with(&e.tokens));
+            .partition(|e| covers(&tokens, Some(&cache), &e.tokens));
         self.entries = kept;
         for e in redundant {
             self.notes.extend(remove_file(e.file.as_deref()));
@@ -384,6 +388,13 @@ impl<'m> PrefixCache<'m> {
         self.evict();
         best.map(|(_, cache, len)| (cache, len))
     }
+}
+
+/// Whether a row holding `longer` (in `cache`; `None`: not read yet, taken to) gives back
+/// `shorter`: it extends it and can be cut back to it (a wrapped ring cannot give back
+/// more than its slack).
+fn covers(longer: &[u32], cache: Option<&KvCache>, shorter: &[u32]) -> bool {
+    longer.starts_with(shorter) && cache.is_none_or(|c| c.can_trim(longer.len() - shorter.len()))
 }
 
 /// Deletes a dropped row's file, where it has one; the note when that fails.

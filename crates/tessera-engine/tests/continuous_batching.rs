@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 use tessera_engine::{
     Batch, BatchLimits, EngineError, Event, Generation, GenerationRequest, RequestId,
-    SamplerConfig, Session, StopReason,
+    SamplerConfig, Session, StopReason, PREFIX_CHECKPOINT,
 };
 use tessera_kv::KvScheme;
 use tessera_models::Model;
@@ -326,7 +326,8 @@ fn cached(event: &Event) -> usize {
 /// with the same prefill chunks (chunk boundaries change f32 sums in the last bits, which can
 /// flip a greedy near-tie, so each reference replays the chunks the batch ran). On Gemma 3 a
 /// row whose sliding rings have wrapped is reused only whole (a conversation continuing),
-/// never cut back to a shorter shared prefix.
+/// never cut back to a shorter shared prefix; the checkpoint a long prompt leaves
+/// PREFIX_CHECKPOINT tokens before its end serves a prompt parting from it after that.
 #[test]
 fn prefix_reuse_reads_only_the_new_suffix() {
     let (model, tok) = common::load_f32_weights();
@@ -409,4 +410,27 @@ fn prefix_reuse_reads_only_the_new_suffix() {
         alone(&model, &scheme, &half, 5, SamplerConfig::default())
     );
     assert_eq!(batch.prefix_cache().unwrap().hits(), (1, fed as u64));
+    // Another ending within the last PREFIX_CHECKPOINT tokens (the same document, another
+    // question): the checkpoint the long prompt left gives all but those tokens back.
+    let keep = long.len() - PREFIX_CHECKPOINT;
+    let other: Vec<u32> = long[..long.len() - 20]
+        .iter()
+        .chain(&prompts[0][1..])
+        .copied()
+        .collect();
+    let (got, done) = serve_one(&mut batch, request(other.clone(), 5));
+    assert_eq!(cached(&done), keep, "the checkpoint's tokens");
+    let mut session = Session::new(&model, &scheme, CHUNK).unwrap();
+    session.feed(&long[..keep]).unwrap();
+    let want: Vec<u32> = Generation::new(
+        &mut session,
+        &other[keep..],
+        SamplerConfig::default(),
+        5,
+        vec![],
+    )
+    .unwrap()
+    .collect::<Result<_, _>>()
+    .unwrap();
+    assert_eq!(got, want, "another question after the same document");
 }

@@ -141,6 +141,17 @@ impl KvCache {
         Ok(())
     }
 
+    /// Whether [`KvCache::trim`]`(n)` would succeed: every row holds `n` positions and
+    /// every ring still holds what its window needs at the shorter end. Changes nothing.
+    pub fn can_trim(&self, n: usize) -> bool {
+        let Some(first) = self.layers.first() else {
+            return true;
+        };
+        first
+            .trimmed(&vec![n; self.batch()])
+            .is_ok_and(|ends| self.layers.iter().all(|l| l.check_rewind(&ends).is_ok()))
+    }
+
     /// Drops the last `n` positions of every row, on every layer or none.
     pub fn trim(&mut self, n: usize) -> Result<(), KvError> {
         self.trim_rows(&vec![n; self.batch()])
