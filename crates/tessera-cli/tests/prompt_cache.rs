@@ -62,19 +62,17 @@ the surrounding families, that he is considered the rightful property of some on
 their daughters.";
 
 fn save(dir: &Scratch, name: &str, kv: &str, prompt: &str) -> String {
+    save_with(dir, name, kv, prompt, &[])
+}
+
+fn save_with(dir: &Scratch, name: &str, kv: &str, prompt: &str, extra: &[&str]) -> String {
     let out = dir.path(name);
-    let (code, stdout, err) = tessera(&[
-        "cache",
-        "save",
-        "--model",
-        &model(),
-        "--prompt",
-        prompt,
-        "--out",
-        &out,
-        "--kv",
-        kv,
-    ]);
+    let gguf = model();
+    let mut args = vec![
+        "cache", "save", "--model", &gguf, "--prompt", prompt, "--out", &out, "--kv", kv,
+    ];
+    args.extend_from_slice(extra);
+    let (code, stdout, err) = tessera(&args);
     assert_eq!(code, 0, "{err}");
     assert!(stdout.contains("tokens"), "{stdout}");
     out
@@ -253,4 +251,142 @@ fn bad_cache_files_get_one_clear_line() {
     ]);
     assert_clean_error(code, &err, &["no directory /nonexistent/dir"]);
     assert!(Path::new(&good).exists());
+}
+
+/// `eval --prompt-cache` scores the tokens after the prefix the text shares with the cache;
+/// its perplexity is the cold decode regime's from the same point within 0.5% (the cached
+/// prompt's last token is read again as a decode step, the cold run reads it in its chunk;
+/// f32 weights, so that this shape change is not amplified by int8 activation rounding).
+#[test]
+fn eval_from_a_prompt_cache_matches_the_cold_decode_regime() {
+    let dir = Scratch::new("eval");
+    let file = save_with(&dir, "doc.tpc", "bf16", DOCUMENT, &["--f32-weights"]);
+    let held = info_json(&file)["rows"][0].as_u64().unwrap();
+    let text = dir.path("text.txt");
+    std::fs::write(
+        &text,
+        format!("{DOCUMENT} Mr. Bennet replied that he had not, and his wife went on to tell him everything Mrs. Long had said about the young man."),
+    )
+    .unwrap();
+    let model_path = model();
+    let run = |args: &[&str]| {
+        let mut all = vec![
+            "eval",
+            "--model",
+            &model_path,
+            "--text",
+            &text,
+            "--json",
+            "--f32-weights",
+        ];
+        all.extend_from_slice(args);
+        let (code, out, err) = tessera(&all);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let cached = run(&["--prompt-cache", &file, "--tokens", "16"]);
+    assert_eq!(cached["cached_tokens"], held - 1);
+    assert_eq!(cached["tokens_scored"], 16);
+    let held_s = held.to_string();
+    let cold = run(&["--prefill", &held_s, "--tokens", "16"]);
+    let cold = &cold["schemes"][0];
+    assert_eq!(cold["tokens_scored"], 16);
+    let (a, b) = (
+        cached["ppl"].as_f64().unwrap(),
+        cold["ppl"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() / b < 0.005, "cached {a}, cold {b}");
+    // A list of schemes is refused: a prompt cache has one.
+    let (code, _, err) = tessera(&[
+        "eval",
+        "--model",
+        &model_path,
+        "--text",
+        &text,
+        "--prompt-cache",
+        &file,
+        "--kv",
+        "bf16,affine:4",
+    ]);
+    assert_clean_error(code, &err, &["at most one --kv"]);
+}
+
+#[test]
+fn bench_times_the_first_token_from_the_cache_and_cold() {
+    let dir = Scratch::new("bench");
+    let file = save(&dir, "doc.tpc", "turbo:4", DOCUMENT);
+    let held = info_json(&file)["rows"][0].as_u64().unwrap();
+    let (code, out, err) = tessera(&[
+        "bench",
+        "--model",
+        &model(),
+        "--prompt-cache",
+        &file,
+        "--suffix-tokens",
+        "4",
+        "--repeat",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["reused_tokens"], held);
+    assert_eq!(v["prompt_tokens"], held + 4);
+    assert_eq!(v["first_token_agrees"], true);
+    assert_eq!(
+        v["file_bytes"].as_u64().unwrap(),
+        std::fs::metadata(&file).unwrap().len()
+    );
+    for key in ["ttft_cached_s", "ttft_cold_s", "load_s", "load_gb_s"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+}
+
+/// `chat --prompt-cache` starts the conversation from the file, and `/reset` returns to it:
+/// the same first turn gets the same greedy reply both times.
+#[test]
+fn chat_starts_from_the_cache_and_reset_returns_to_it() {
+    use std::io::Write;
+    let dir = Scratch::new("chat");
+    let file = save(&dir, "doc.tpc", "affine:4", DOCUMENT);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args([
+            "chat",
+            "--model",
+            &model(),
+            "--prompt-cache",
+            &file,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Who wants a wife?\n/reset\nWho wants a wife?\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("doc.tpc") && stderr.contains("tokens"),
+        "{stderr}"
+    );
+    let replies: Vec<&str> = stdout
+        .split("> ")
+        .map(str::trim)
+        .filter(|r| !r.is_empty())
+        .collect();
+    assert_eq!(replies.len(), 2, "{stdout}");
+    assert_eq!(replies[0], replies[1], "{stdout}");
 }
