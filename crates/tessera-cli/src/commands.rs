@@ -11,6 +11,7 @@ use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message, TemplateOrigin};
 use tessera_engine::eval::{evaluate, EvalMode};
 use tessera_engine::prompt_cache::{self, ReuseLimit};
+use tessera_engine::speculative::{NgramDrafter, Speculative};
 use tessera_engine::store::{self, FetchEvent};
 use tessera_engine::{
     Generation, SamplerConfig, Session, StopReason, TextStream, DEFAULT_PREFILL_CHUNK,
@@ -180,11 +181,13 @@ fn open_session<'m>(
     ids: &[u32],
     prefill_chunk: usize,
     file: Option<&Path>,
+    round_slack: usize,
 ) -> Result<(Session<'m>, usize, KvScheme)> {
     let Some(file) = file else {
         let scheme = scheme_of(kv)?;
         notice_scheme(model, &scheme);
-        return Ok((Session::new(model, &scheme, prefill_chunk)?, 0, scheme));
+        let session = Session::new(model, &scheme, prefill_chunk)?.with_round_slack(round_slack);
+        return Ok((session, 0, scheme));
     };
     let t = Instant::now();
     let explicit = explicit_scheme(kv)?;
@@ -303,9 +306,17 @@ pub fn generate(
     prefill_chunk: usize,
     chat_template: bool,
     prompt_cache: Option<&Path>,
+    spec: Option<&str>,
+    draft_tokens: usize,
 ) -> Result<()> {
     // Bad flags are refused before the model loads.
     explicit_scheme(kv)?;
+    if let Some(s) = spec {
+        drafter(s, draft_tokens)?;
+        if sargs.temperature > 0.0 {
+            bail!("--spec is greedy only for now: give --temperature 0 (sampling's rejection rule is not built yet)");
+        }
+    }
     let sampler = sampler(sargs)?;
     let t0 = Instant::now();
     let (model, tok) = load(margs)?;
@@ -318,38 +329,100 @@ pub fn generate(
     } else {
         (tok.encode(prompt, true)?, stop_tokens(&tok))
     };
+    let drafter = spec.map(|s| drafter(s, draft_tokens)).transpose()?;
+    let slack = drafter.map_or(0, |d| d.max_draft);
     let (mut session, reused, scheme) =
-        open_session(&model, kv, &ids, prefill_chunk, prompt_cache)?;
-    let mut gen = Generation::new(&mut session, &ids[reused..], sampler, max_tokens, stops)?;
+        open_session(&model, kv, &ids, prefill_chunk, prompt_cache, slack)?;
     let mut stream = TextStream::new();
     let mut out = std::io::stdout().lock();
     let mut produced = 0;
-    for t in gen.by_ref() {
-        let piece = stream.push(&tok, t?)?;
+    let mut first_at = None;
+    let mut emit = |t: u32| -> Result<()> {
+        let piece = stream.push(&tok, t)?;
         out.write_all(piece.as_bytes())?;
         out.flush()?;
         produced += 1;
-    }
+        first_at.get_or_insert_with(Instant::now);
+        Ok(())
+    };
+    let (reason, token, spec_line) = match drafter {
+        None => {
+            let mut gen =
+                Generation::new(&mut session, &ids[reused..], sampler, max_tokens, stops)?;
+            for t in gen.by_ref() {
+                emit(t?)?;
+            }
+            (gen.stop_reason(), gen.stop_token(), None)
+        }
+        Some(d) => {
+            let mut gen = Speculative::new(&mut session, &ids[reused..], d, max_tokens, stops)?;
+            for t in gen.by_ref() {
+                emit(t?)?;
+            }
+            let st = gen.stats();
+            let line = format!(
+                " | spec ngram:{}: {} rounds, {} drafted, {} accepted ({:.0}%), {:.2} tokens per forward",
+                d.n,
+                st.rounds,
+                st.drafted,
+                st.accepted,
+                100.0 * st.accepted as f64 / st.drafted.max(1) as f64,
+                (st.accepted + st.rounds + st.plain_steps) as f64
+                    / (st.rounds + st.plain_steps).max(1) as f64
+            );
+            (gen.stop_reason(), gen.stop_token(), Some(line))
+        }
+    };
+    let s = &session;
+    let decode_rate = match (&spec_line, first_at) {
+        // Rounds read chunks: the rate is the tokens after the first over the time since.
+        (Some(_), Some(t)) => (produced.max(1) - 1) as f64 / t.elapsed().as_secs_f64().max(1e-9),
+        _ => s.decode_tokens as f64 / s.decode_time.as_secs_f64().max(1e-9),
+    };
+    let prefill_rate = s.prefill_tokens.max(1) as f64 / s.prefill_time.as_secs_f64().max(1e-9);
     out.write_all(stream.finish().as_bytes())?;
     writeln!(out)?;
-    let reason = stop_words(gen.stop_reason(), gen.stop_token(), &tok, chat_template);
-    let s = gen.session();
+    let reason = stop_words(reason, token, &tok, chat_template);
     let cached = if reused > 0 {
         format!(" ({reused} from the prompt cache)")
     } else {
         String::new()
     };
     eprintln!(
-        "[load {:.2} s | prompt {} tokens{cached}, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {} | kv {}]",
+        "[load {:.2} s | prompt {} tokens{cached}, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {} | kv {}{}]",
         load_time.as_secs_f64(),
         ids.len(),
-        s.prefill_tokens.max(1) as f64 / s.prefill_time.as_secs_f64().max(1e-9),
+        prefill_rate,
         produced,
-        s.decode_tokens as f64 / s.decode_time.as_secs_f64().max(1e-9),
+        decode_rate,
         reason,
         scheme,
+        spec_line.unwrap_or_default(),
     );
     Ok(())
+}
+
+/// `--spec ngram[:N]` with `--draft-tokens K`: prompt-lookup drafting of up to K tokens
+/// from the longest matching suffix of at most N tokens (default 3).
+fn drafter(spec: &str, draft_tokens: usize) -> Result<NgramDrafter> {
+    let n = match spec.trim().split_once(':') {
+        None if spec.trim() == "ngram" => 3,
+        Some(("ngram", n)) => n
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .with_context(|| format!("--spec {spec}: N must be a whole number from 1"))?,
+        _ => bail!(
+            "--spec {spec}: expected ngram or ngram:N (prompt lookup; a draft model is not built yet)"
+        ),
+    };
+    if draft_tokens == 0 {
+        bail!("--draft-tokens must be at least 1");
+    }
+    Ok(NgramDrafter {
+        n,
+        max_draft: draft_tokens,
+    })
 }
 
 /// How many leading tokens of `held` (what the cache holds) `next` (the new render)
@@ -806,6 +879,7 @@ pub fn eval_prompt_cache(
         &ids[..until],
         DEFAULT_PREFILL_CHUNK,
         Some(file),
+        0,
     )?;
     if reused == 0 {
         bail!("the text shares no reusable prefix with the cached prompt of {held} tokens");

@@ -125,6 +125,14 @@ enum Command {
         /// shares with it is not prefilled again.
         #[arg(long, value_name = "FILE")]
         prompt_cache: Option<PathBuf>,
+        /// Speculative decoding: `ngram[:N]` drafts the continuation of the latest earlier
+        /// occurrence of the last N tokens (default 3) of the prompt and output, which the
+        /// model verifies in one chunk (greedy only for now: needs --temperature 0).
+        #[arg(long, value_name = "ngram[:N]")]
+        spec: Option<String>,
+        /// With --spec: most tokens drafted per round.
+        #[arg(long, default_value_t = 8)]
+        draft_tokens: usize,
     },
     /// Interactive multi-turn chat (type /reset to start over, /quit or Ctrl-D to leave).
     Chat {
@@ -362,6 +370,8 @@ fn run(cli: Cli) -> Result<()> {
             prefill_chunk,
             chat_template,
             prompt_cache,
+            spec,
+            draft_tokens,
         } => {
             let prompt = match (prompt, prompt_file) {
                 (Some(p), _) => p,
@@ -378,6 +388,8 @@ fn run(cli: Cli) -> Result<()> {
                 prefill_chunk,
                 chat_template,
                 prompt_cache.as_deref(),
+                spec.as_deref(),
+                draft_tokens,
             )
         }
         Command::Chat {

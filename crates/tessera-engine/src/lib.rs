@@ -19,6 +19,7 @@ pub mod prefix;
 pub mod prompt_cache;
 mod sampler;
 mod session;
+pub mod speculative;
 pub mod store;
 
 pub use batch::{

@@ -76,6 +76,30 @@ impl<'m> Session<'m> {
         })
     }
 
+    /// Gives the cache's sliding-window rings `slack` spare slots, so speculative rounds of
+    /// up to `slack + 1` positions roll back after a ring has wrapped. Only before the
+    /// first feed (a cache that holds positions keeps its slack).
+    pub fn with_round_slack(mut self, slack: usize) -> Self {
+        if self.tokens.is_empty() {
+            self.cache = self.cache.with_round_slack(slack);
+        }
+        self
+    }
+
+    pub fn round_slack(&self) -> usize {
+        self.cache.round_slack()
+    }
+
+    pub(crate) fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    /// Forgets the last `n` tokens fed (their positions already dropped from the cache).
+    pub(crate) fn drop_last_tokens(&mut self, n: usize) {
+        let len = self.tokens.len().saturating_sub(n);
+        self.tokens.truncate(len);
+    }
+
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }

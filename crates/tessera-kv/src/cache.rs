@@ -92,6 +92,12 @@ impl KvCache {
         self
     }
 
+    /// The round slack of the sliding-window rings (the least of any layer; 0 without
+    /// layers).
+    pub fn round_slack(&self) -> usize {
+        self.layers.iter().map(|l| l.round_slack()).min().unwrap_or(0)
+    }
+
     pub fn layer_mut(&mut self, layer: usize) -> &mut LayerCache {
         &mut self.layers[layer]
     }
