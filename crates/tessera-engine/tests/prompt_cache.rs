@@ -50,7 +50,8 @@ fn a_saved_cache_continues_with_the_same_logits_bit_for_bit() {
         let mut saved = Session::new(&model, &scheme, CHUNK).unwrap();
         let mut next = argmax(&saved.feed(&prompt).unwrap());
         let path = dir.join(format!("{}.tpc", name.replace([':', ' '], "_")));
-        let bytes = prompt_cache::save(&path, &model, &[prompt.clone()], saved.cache()).unwrap();
+        let bytes = prompt_cache::save(&path, &model, std::slice::from_ref(&prompt), saved.cache())
+            .unwrap();
         assert_eq!(bytes, std::fs::metadata(&path).unwrap().len(), "{name}");
         let loaded = prompt_cache::load(&path, &model, Some(&scheme)).unwrap();
         assert_eq!(loaded.tokens, vec![prompt.clone()], "{name}");
@@ -148,7 +149,7 @@ fn a_prompt_extending_the_cache_gives_the_cold_greedy_tokens() {
         let path = dir.join(format!("x-{}.tpc", name.replace([':', ' '], "_")));
         let mut s = Session::new(&model, &scheme, CHUNK).unwrap();
         s.feed(&cached).unwrap();
-        prompt_cache::save(&path, &model, &[cached.clone()], s.cache()).unwrap();
+        prompt_cache::save(&path, &model, std::slice::from_ref(&cached), s.cache()).unwrap();
         let loaded = prompt_cache::load(&path, &model, Some(&scheme)).unwrap();
         let (mut warm, reuse) = loaded.resume(&model, &scheme, &prompt, CHUNK).unwrap();
         assert_eq!(reuse.tokens, cached.len(), "{name}");
@@ -189,7 +190,7 @@ fn reuse_stops_at_the_floor_and_at_what_a_ring_still_holds() {
         let mut s = Session::new(&model, &scheme, CHUNK).unwrap();
         s.feed(&cached).unwrap();
         let path = dir.join(format!("r-{}.tpc", name.replace(' ', "_")));
-        prompt_cache::save(&path, &model, &[cached.clone()], s.cache()).unwrap();
+        prompt_cache::save(&path, &model, std::slice::from_ref(&cached), s.cache()).unwrap();
         let mut prompt = cached[..common_len].to_vec();
         if common_len < cached.len() {
             // A different token where they part, then a few more.
