@@ -374,11 +374,11 @@ pub fn generate(
         }
     };
     let s = &session;
-    let decode_rate = match (&spec_line, first_at) {
-        // Rounds read chunks: the rate is the tokens after the first over the time since.
-        (Some(_), Some(t)) => (produced.max(1) - 1) as f64 / t.elapsed().as_secs_f64().max(1e-9),
-        _ => s.decode_tokens as f64 / s.decode_time.as_secs_f64().max(1e-9),
-    };
+    // The tokens after the first over the time since it was out: the same measure for
+    // plain decode and for speculative rounds (which read chunks).
+    let decode_rate = first_at.map_or(0.0, |t| {
+        (produced.max(1) - 1) as f64 / t.elapsed().as_secs_f64().max(1e-9)
+    });
     let prefill_rate = s.prefill_tokens.max(1) as f64 / s.prefill_time.as_secs_f64().max(1e-9);
     out.write_all(stream.finish().as_bytes())?;
     writeln!(out)?;

@@ -4,7 +4,8 @@
 //! inside a speculative round of its cache, accepts the longest prefix of the draft its own
 //! greedy choice agrees with plus its own next token, and rolls the cache back to what it
 //! accepted. No second model: on an editing task (rewrite a file with a small change) most
-//! of the output is a copy of the prompt, so most drafts are accepted.
+//! of the output is a copy of the prompt, so most drafts are accepted. The draft length
+//! adapts: halved after a round that accepts nothing, doubled after one that accepts all.
 //!
 //! Greedy only for now: the accepted tokens are the target's own argmax at every position,
 //! so the output is the plain greedy output up to the numerics of reading several positions
@@ -76,6 +77,10 @@ pub struct Speculative<'a, 'm> {
     stop_token: Option<u32>,
     failed: bool,
     stats: SpecStats,
+    /// Tokens the next round drafts at most: halved after a round that accepts nothing,
+    /// doubled (up to the drafter's `max_draft`) after one that accepts everything, so a
+    /// stretch of output that copies nothing costs short verifications.
+    k: usize,
 }
 
 impl<'a, 'm> Speculative<'a, 'm> {
@@ -120,6 +125,7 @@ impl<'a, 'm> Speculative<'a, 'm> {
             stop_token: None,
             failed: false,
             stats: SpecStats::default(),
+            k: drafter.max_draft,
         })
     }
 
@@ -150,8 +156,7 @@ impl<'a, 'm> Speculative<'a, 'm> {
         }
         // Never decide more than max_tokens, never read past the context.
         let k = self
-            .drafter
-            .max_draft
+            .k
             .min(self.max_tokens - self.produced - 1)
             .min(left - 1);
         let draft = if k > 0 {
@@ -186,6 +191,13 @@ impl<'a, 'm> Speculative<'a, 'm> {
             self.ready.push_back(t);
             self.history.push(t);
         }
+        self.k = if accepted == draft.len() {
+            (2 * self.k).min(self.drafter.max_draft)
+        } else if accepted == 0 {
+            (self.k / 2).max(1)
+        } else {
+            self.k
+        };
         self.stats.rounds += 1;
         self.stats.drafted += draft.len();
         self.stats.accepted += accepted;
