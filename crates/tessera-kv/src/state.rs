@@ -181,8 +181,10 @@ impl KvCache {
             )));
         }
         // Host layers are rebuilt in parallel (each copies its buffers into its planes);
-        // device layers one after another, on the device's one stream.
-        let layers = if device.is_cpu() {
+        // device layers one after another, on the device's one stream, and so is every
+        // layer where a backend is installed (it decides on the calling thread whether it
+        // serves the CPU).
+        let layers = if device.is_cpu() && !crate::planes::device::backend_installed() {
             use rayon::prelude::*;
             state
                 .layers

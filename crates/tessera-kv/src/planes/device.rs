@@ -30,6 +30,12 @@ pub fn install(backend: Box<dyn DeviceBackend>) {
     let _ = BACKEND.set(backend);
 }
 
+/// Whether a device backend is installed (it may claim the CPU too, as the tests'
+/// emulated device does, and decide per calling thread).
+pub(crate) fn backend_installed() -> bool {
+    BACKEND.get().is_some()
+}
+
 /// Planes of `codec` on `device` from the installed backend. `Ok(None)` where the cache
 /// keeps its own host planes: on the CPU, unless a backend claims it (the tests' emulated
 /// device does); an error for any other device no backend serves.
