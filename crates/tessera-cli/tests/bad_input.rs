@@ -1,19 +1,10 @@
 //! Bad input gets a clear one-line error and a non-zero exit, never a panic or a hang.
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn tessera(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(args)
-        .output()
-        .expect("runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
-}
+use common::tessera;
+
+use std::path::PathBuf;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tessera-cli-tests-{}", std::process::id()));

@@ -2,20 +2,12 @@
 //! default model: a prompt extending the cached one reuses it and generates the cold run's
 //! greedy text, and bad cache files get one clear line each.
 
+mod common;
+
+use common::tessera;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn tessera(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(args)
-        .output()
-        .expect("runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
-}
 
 struct Scratch(PathBuf);
 

@@ -1,19 +1,9 @@
 //! `generate --spec ngram` through the binary: the summary line counts the rounds, and
 //! what it cannot do yet is refused before the model loads.
 
-use std::process::Command;
+mod common;
 
-fn tessera(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .args(args)
-        .output()
-        .expect("runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into(),
-        String::from_utf8_lossy(&out.stderr).into(),
-    )
-}
+use common::tessera;
 
 fn model() -> String {
     tessera_engine::store::default_model_path()

@@ -275,18 +275,28 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// info`, the server's index of a cache folder), and the file's length, which must be what
 /// the header describes. The tensors' bytes are not read here.
 pub fn read_header(path: &Path) -> Result<(Header, u64), EngineError> {
-    let named = |e: EngineError| match e {
+    let (_, len, text) = open(path)?;
+    let header = header_of(&text).map_err(|e| named(path, e))?;
+    // The tensors' offsets say how long the file is: a cut one is refused here already.
+    tensor_table(&text, len).map_err(|e| named(path, e))?;
+    Ok((header, len))
+}
+
+/// `e` with the file's path in front of its text.
+fn named(path: &Path, e: EngineError) -> EngineError {
+    match e {
         EngineError::PromptCache(m) => bad(format!("{}: {m}", path.display())),
         e => e,
-    };
+    }
+}
+
+/// The file at `path` opened, its length, and its safetensors header's text.
+fn open(path: &Path) -> Result<(std::fs::File, u64, Vec<u8>), EngineError> {
     let io = |e: std::io::Error| bad(format!("{}: {e}", path.display()));
     let mut f = std::fs::File::open(path).map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
-    let text = read_header_text(&mut f, len).map_err(named)?;
-    let header = header_of(&text).map_err(named)?;
-    // The tensors' offsets say how long the file is: a cut one is refused here already.
-    tensor_table(&text, len).map_err(named)?;
-    Ok((header, len))
+    let text = read_header_text(&mut f, len).map_err(|e| named(path, e))?;
+    Ok((f, len, text))
 }
 
 /// Our header inside a safetensors header's JSON text.
@@ -373,20 +383,13 @@ pub fn load(
     scheme: Option<&KvScheme>,
 ) -> Result<PromptCache, EngineError> {
     use std::os::unix::fs::FileExt;
-    let named = |e: EngineError| match e {
-        EngineError::PromptCache(m) => bad(format!("{}: {m}", path.display())),
-        e => e,
-    };
-    let io = |e: std::io::Error| bad(format!("{}: {e}", path.display()));
-    let mut f = std::fs::File::open(path).map_err(io)?;
-    let len = f.metadata().map_err(io)?.len();
-    let text = read_header_text(&mut f, len).map_err(named)?;
+    let (f, len, text) = open(path)?;
     let read = |at: u64, n: usize| -> std::io::Result<Vec<u8>> {
         let mut buf = vec![0u8; n];
         f.read_exact_at(&mut buf, at)?;
         Ok(buf)
     };
-    decode_with(&text, len, read, model, scheme).map_err(named)
+    decode_with(&text, len, read, model, scheme).map_err(|e| named(path, e))
 }
 
 /// [`load`] from the file's bytes.

@@ -95,7 +95,11 @@ impl KvCache {
     /// The round slack of the sliding-window rings (the least of any layer; 0 without
     /// layers).
     pub fn round_slack(&self) -> usize {
-        self.layers.iter().map(|l| l.round_slack()).min().unwrap_or(0)
+        self.layers
+            .iter()
+            .map(|l| l.round_slack())
+            .min()
+            .unwrap_or(0)
     }
 
     pub fn layer_mut(&mut self, layer: usize) -> &mut LayerCache {

@@ -1,6 +1,7 @@
-//! What the `tessera serve` tests share: the real binary started on 127.0.0.1 (port 0, the
-//! port read from its "listening on" line) and killed by its pid on drop, and a small
-//! HTTP/1.1 client over `TcpStream`.
+//! What the CLI tests share: the binary run to completion ([`tessera`]), and for the
+//! `tessera serve` tests the real binary started on 127.0.0.1 (port 0, the port read from
+//! its "listening on" line) and killed by its pid on drop, and a small HTTP/1.1 client over
+//! `TcpStream`.
 #![allow(dead_code)] // each test binary uses its own part
 
 use serde_json::{json, Value};
@@ -12,6 +13,19 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 pub const KEY: &str = "sk-test-key";
+
+/// Runs the `tessera` binary with `args` to its end: exit status, stdout, stderr.
+pub fn tessera(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .output()
+        .expect("runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
 
 /// The default model (or `TESSERA_MODEL`).
 pub fn model() -> PathBuf {
