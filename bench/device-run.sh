@@ -14,6 +14,9 @@
 #   e2e8b   synthetic Llama-3-8B (every layer global): batch 1 and 16 at 32k, batch 1 at 128k
 #           (E2E8B_RUNS: "BATCH:DEPTH ..." instead; E2E8B_GEN tokens, 32; E2E8B_BINS: the
 #           carried tessera binaries to run in turn, "tessera"; E2E8B_KVS, "bf16 affine:4")
+#   verifyceiling  synthetic Llama-3-8B, batch 1, depth 32k: a speculative verification round
+#           of K drafts against a one-token step, K = 1..16 (VERIFY_KS), bf16 and affine:4
+#           (bench --verify-rounds; VERIFY_REPEAT timed rounds and steps per K, 8)
 #   serve8b tessera serve --device cuda, synthetic Llama-3-8B, bench/load.py at 1, 16, 64
 #           concurrent (openai wheels carried in .device/wheels), then bench --batch 1/16/64
 #           (SERVE8B_CONC: the concurrencies; SERVE8B_LOAD: load.py's prompt/output flags;
@@ -93,6 +96,12 @@ for step in "$@"; do
           $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
             --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens 2048 --repeat 1 --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
         done; done
+      done ;;
+    verifyceiling)
+      log verifyceiling; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      for kv in bf16 affine:4; do
+        $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth 32768 --batch 1 \
+          --verify-rounds ${VERIFY_KS:-1,2,3,4,6,8,12,16} --repeat ${VERIFY_REPEAT:-8} 2>&1 | tee -a $OUT/verify-ceiling.txt
       done ;;
     serve8b)
       # tessera serve --device cuda on the synthetic Llama-3-8B under bench/load.py (the

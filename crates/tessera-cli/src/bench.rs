@@ -11,7 +11,7 @@ use tessera_kv::{KvCache, KvScheme};
 use tessera_models::{LogitsMode, Model};
 
 /// Deterministic token ids in the ordinary-text range of the vocabulary.
-fn synthetic_tokens(n: usize, vocab: usize, bos: u32) -> Vec<u32> {
+pub(crate) fn synthetic_tokens(n: usize, vocab: usize, bos: u32) -> Vec<u32> {
     let mut state = 0x2545_F491_4F6C_DD1Du64;
     let hi = vocab.min(200_000) as u64;
     std::iter::once(bos)

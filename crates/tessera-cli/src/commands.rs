@@ -1,6 +1,7 @@
 //! The commands that load a model and talk to the engine.
 
 use crate::plot::{kl_vs_bits_svg, PlotPoint};
+use crate::spec::{self, SpecArgs};
 use crate::{KvArgs, ModelArgs, SampleArgs};
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
@@ -11,11 +12,8 @@ use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message, TemplateOrigin};
 use tessera_engine::eval::{evaluate, EvalMode};
 use tessera_engine::prompt_cache::{self, ReuseLimit};
-use tessera_engine::speculative::{NgramDrafter, Speculative};
 use tessera_engine::store::{self, FetchEvent};
-use tessera_engine::{
-    Generation, SamplerConfig, Session, StopReason, TextStream, DEFAULT_PREFILL_CHUNK,
-};
+use tessera_engine::{SamplerConfig, Session, StopReason, TextStream, DEFAULT_PREFILL_CHUNK};
 use tessera_kv::{Isa, KvScheme};
 use tessera_models::{GgufFile, LoadOptions, Model, Tokenizer};
 
@@ -306,20 +304,18 @@ pub fn generate(
     prefill_chunk: usize,
     chat_template: bool,
     prompt_cache: Option<&Path>,
-    spec: Option<&str>,
-    draft_tokens: usize,
+    spec: &SpecArgs,
 ) -> Result<()> {
     // Bad flags are refused before the model loads.
     explicit_scheme(kv)?;
-    if let Some(s) = spec {
-        drafter(s, draft_tokens)?;
-        if sargs.temperature > 0.0 {
-            bail!("--spec is greedy only for now: give --temperature 0 (sampling's rejection rule is not built yet)");
-        }
-    }
+    let choice = spec.choice()?;
     let sampler = sampler(sargs)?;
     let t0 = Instant::now();
     let (model, tok) = load(margs)?;
+    let draft = match &choice {
+        Some(c) => c.load(margs, &tok)?,
+        None => None,
+    };
     let load_time = t0.elapsed();
     let (ids, stops) = if chat_template {
         let template = self::chat_template(&tok)?;
@@ -329,50 +325,33 @@ pub fn generate(
     } else {
         (tok.encode(prompt, true)?, stop_tokens(&tok))
     };
-    let drafter = spec.map(|s| drafter(s, draft_tokens)).transpose()?;
-    let slack = drafter.map_or(0, |d| d.max_draft);
     let (mut session, reused, scheme) =
-        open_session(&model, kv, &ids, prefill_chunk, prompt_cache, slack)?;
+        open_session(&model, kv, &ids, prefill_chunk, prompt_cache, spec.slack())?;
+    let mut drafter = choice
+        .as_ref()
+        .map(|c| c.drafter(draft.as_ref(), &model, &scheme, spec.draft_tokens, &sampler))
+        .transpose()?;
     let mut stream = TextStream::new();
     let mut out = std::io::stdout().lock();
     let mut produced = 0;
     let mut first_at = None;
-    let mut emit = |t: u32| -> Result<()> {
-        let piece = stream.push(&tok, t)?;
-        out.write_all(piece.as_bytes())?;
-        out.flush()?;
-        produced += 1;
-        first_at.get_or_insert_with(Instant::now);
-        Ok(())
-    };
-    let (reason, token, spec_line) = match drafter {
-        None => {
-            let mut gen =
-                Generation::new(&mut session, &ids[reused..], sampler, max_tokens, stops)?;
-            for t in gen.by_ref() {
-                emit(t?)?;
-            }
-            (gen.stop_reason(), gen.stop_token(), None)
-        }
-        Some(d) => {
-            let mut gen = Speculative::new(&mut session, &ids[reused..], d, max_tokens, stops)?;
-            for t in gen.by_ref() {
-                emit(t?)?;
-            }
-            let st = gen.stats();
-            let line = format!(
-                " | spec ngram:{}: {} rounds, {} drafted, {} accepted ({:.0}%), {:.2} tokens per forward",
-                d.n,
-                st.rounds,
-                st.drafted,
-                st.accepted,
-                100.0 * st.accepted as f64 / st.drafted.max(1) as f64,
-                (st.accepted + st.rounds + st.plain_steps) as f64
-                    / (st.rounds + st.plain_steps).max(1) as f64
-            );
-            (gen.stop_reason(), gen.stop_token(), Some(line))
-        }
-    };
+    let outcome = spec::run(
+        &mut session,
+        &ids[reused..],
+        sampler,
+        max_tokens,
+        stops,
+        drafter.as_deref_mut(),
+        spec.draft_tokens,
+        |t| {
+            let piece = stream.push(&tok, t)?;
+            out.write_all(piece.as_bytes())?;
+            out.flush()?;
+            produced += 1;
+            first_at.get_or_insert_with(Instant::now);
+            Ok(())
+        },
+    )?;
     let s = &session;
     // The tokens after the first over the time since it was out: the same measure for
     // plain decode and for speculative rounds (which read chunks).
@@ -382,11 +361,15 @@ pub fn generate(
     let prefill_rate = s.prefill_tokens.max(1) as f64 / s.prefill_time.as_secs_f64().max(1e-9);
     out.write_all(stream.finish().as_bytes())?;
     writeln!(out)?;
-    let reason = stop_words(reason, token, &tok, chat_template);
+    let reason = stop_words(outcome.reason, outcome.stop_token, &tok, chat_template);
     let cached = if reused > 0 {
         format!(" ({reused} from the prompt cache)")
     } else {
         String::new()
+    };
+    let spec_line = match (&choice, &outcome.spec) {
+        (Some(c), Some(st)) => format!(" | spec {}: {}", c.label(draft.as_ref()), st.summary()),
+        _ => String::new(),
     };
     eprintln!(
         "[load {:.2} s | prompt {} tokens{cached}, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {} | kv {}{}]",
@@ -397,32 +380,9 @@ pub fn generate(
         decode_rate,
         reason,
         scheme,
-        spec_line.unwrap_or_default(),
+        spec_line,
     );
     Ok(())
-}
-
-/// `--spec ngram[:N]` with `--draft-tokens K`: prompt-lookup drafting of up to K tokens
-/// from the longest matching suffix of at most N tokens (default 3).
-fn drafter(spec: &str, draft_tokens: usize) -> Result<NgramDrafter> {
-    let n = match spec.trim().split_once(':') {
-        None if spec.trim() == "ngram" => 3,
-        Some(("ngram", n)) => n
-            .parse()
-            .ok()
-            .filter(|&n| n > 0)
-            .with_context(|| format!("--spec {spec}: N must be a whole number from 1"))?,
-        _ => bail!(
-            "--spec {spec}: expected ngram or ngram:N (prompt lookup; a draft model is not built yet)"
-        ),
-    };
-    if draft_tokens == 0 {
-        bail!("--draft-tokens must be at least 1");
-    }
-    Ok(NgramDrafter {
-        n,
-        max_draft: draft_tokens,
-    })
 }
 
 /// How many leading tokens of `held` (what the cache holds) `next` (the new render)
@@ -439,10 +399,16 @@ pub fn chat(
     kv: &KvArgs,
     prefill_chunk: usize,
     prompt_cache: Option<&Path>,
+    spec: &SpecArgs,
 ) -> Result<()> {
     explicit_scheme(kv)?;
+    let choice = spec.choice()?;
     let sampler = sampler(sargs)?;
     let (model, tok) = load(margs)?;
+    let draft = match &choice {
+        Some(c) => c.load(margs, &tok)?,
+        None => None,
+    };
     let template = chat_template(&tok)?;
     let stops = chat_stop_tokens(&tok, &template);
     // A prompt cache starts every conversation (also after /reset); each turn keeps the
@@ -472,10 +438,16 @@ pub fn chat(
                 b.tokens[0].clone(),
                 prefill_chunk,
             )?,
-            None => Session::new(&model, &scheme, prefill_chunk)?,
+            None => Session::new(&model, &scheme, prefill_chunk)?.with_round_slack(spec.slack()),
         })
     };
     let mut session = fresh_session()?;
+    // One drafter for the whole conversation: a draft model's cache follows each turn's
+    // history, keeping what it shares with the last.
+    let mut drafter = choice
+        .as_ref()
+        .map(|c| c.drafter(draft.as_ref(), &model, &scheme, spec.draft_tokens, &sampler))
+        .transpose()?;
     let mut history: Vec<Message> = Vec::new();
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
@@ -521,31 +493,34 @@ pub fn chat(
         } else {
             // A sliding-window ring that has overwritten positions its window needs again cannot
             // drop them: start the cache over.
-            session = Session::new(&model, &scheme, prefill_chunk)?;
+            session = Session::new(&model, &scheme, prefill_chunk)?.with_round_slack(spec.slack());
             0
         };
-        let mut gen = match Generation::new(
+        let mut stream = TextStream::new();
+        let mut reply = Vec::new();
+        let outcome = spec::run(
             &mut session,
             &ids[keep..],
             sampler.clone(),
             max_tokens,
             stops.clone(),
-        ) {
-            Ok(g) => g,
-            Err(e) => {
-                eprintln!("error: {e} (try /reset)");
-                history.pop();
-                continue;
-            }
-        };
-        let mut stream = TextStream::new();
-        let mut reply = Vec::new();
-        for t in gen.by_ref() {
-            let t = t?;
-            reply.push(t);
-            let piece = stream.push(&tok, t)?;
-            write!(out, "{piece}")?;
-            out.flush()?;
+            drafter.as_deref_mut(),
+            spec.draft_tokens,
+            |t| {
+                reply.push(t);
+                let piece = stream.push(&tok, t)?;
+                write!(out, "{piece}")?;
+                out.flush()?;
+                Ok(())
+            },
+        );
+        if let Err(e) = outcome {
+            writeln!(out, "{}", stream.finish())?;
+            eprintln!("error: {e} (try /reset)");
+            history.pop();
+            // The session may hold a partial turn: start the next one over.
+            session = fresh_session()?;
+            continue;
         }
         writeln!(out, "{}", stream.finish())?;
         history.push(Message::assistant(tok.decode(&reply)?));
@@ -652,9 +627,21 @@ pub struct ServeArgs {
     pub prompt_cache_dir: Option<PathBuf>,
     pub prefill_chunk: usize,
     pub api_key: Option<String>,
+    pub spec: SpecArgs,
 }
 
 pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
+    let spec = match args.spec.choice()? {
+        None => None,
+        Some(spec::SpecChoice::Ngram(d)) => Some(tessera_engine::BatchSpec {
+            ngram: d.n,
+            max_draft: args.spec.draft_tokens,
+        }),
+        Some(spec::SpecChoice::Model(_)) => bail!(
+            "--draft-model: serve drafts by prompt lookup (--spec ngram); a draft model \
+             inside batches is not built"
+        ),
+    };
     if args.max_batch == 0 {
         bail!("--max-batch must be at least 1");
     }
@@ -709,7 +696,10 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
         max_queue: args.max_queue,
     };
     // Refuse bad limits before listening.
-    tessera_engine::Batch::new(&model, &scheme, args.prefill_chunk, limits)?;
+    let probe = tessera_engine::Batch::new(&model, &scheme, args.prefill_chunk, limits)?;
+    if let Some(spec) = spec {
+        probe.with_speculation(spec)?;
+    }
     let config = tessera_server::ServerConfig {
         host: args.host,
         port: args.port,
@@ -726,6 +716,7 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
             prefix_cache: args.prefix_cache_mib.saturating_mul(1 << 20),
             prompt_cache_dir: args.prompt_cache_dir,
             chat_template: template,
+            spec,
         },
     };
     Ok(tessera_server::serve(config)?)

@@ -1,8 +1,10 @@
 //! `tessera`: generate, chat, eval, bench and model management from the command line.
 
 mod bench;
+mod bench_rounds;
 mod commands;
 mod plot;
+mod spec;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -125,14 +127,8 @@ enum Command {
         /// shares with it is not prefilled again.
         #[arg(long, value_name = "FILE")]
         prompt_cache: Option<PathBuf>,
-        /// Speculative decoding: `ngram[:N]` drafts the continuation of the latest earlier
-        /// occurrence of the last N tokens (default 3) of the prompt and output, which the
-        /// model verifies in one chunk (greedy only for now: needs --temperature 0).
-        #[arg(long, value_name = "ngram[:N]")]
-        spec: Option<String>,
-        /// With --spec: most tokens drafted per round.
-        #[arg(long, default_value_t = 8)]
-        draft_tokens: usize,
+        #[command(flatten)]
+        spec: spec::SpecArgs,
     },
     /// Interactive multi-turn chat (type /reset to start over, /quit or Ctrl-D to leave).
     Chat {
@@ -151,6 +147,8 @@ enum Command {
         /// with it (e.g. a cached system prompt or document).
         #[arg(long, value_name = "FILE")]
         prompt_cache: Option<PathBuf>,
+        #[command(flatten)]
+        spec: spec::SpecArgs,
     },
     /// Perplexity, and KL divergence / top-1 agreement against the bf16 cache, per KV scheme.
     Eval {
@@ -221,6 +219,18 @@ enum Command {
         /// With --prompt-cache: new tokens after the cached prompt.
         #[arg(long, default_value_t = 16)]
         suffix_tokens: usize,
+        /// Speculative verification rounds instead of the speed runs: after --depth tokens,
+        /// per K in LIST (comma-separated, 1..=64) the median of --repeat rounds of K+1
+        /// tokens (every position's logits) against --repeat one-token steps.
+        #[arg(long, value_name = "LIST", conflicts_with = "prompt_cache")]
+        verify_rounds: Option<String>,
+        /// With --spec or --draft-model: speculative decode of --gen-tokens greedy tokens
+        /// after this prompt (a text file, tokenized as generate does) against plain decode,
+        /// the mean of --repeat runs of each after a warm-up, with the rounds' counters.
+        #[arg(long, value_name = "FILE")]
+        prompt_file: Option<PathBuf>,
+        #[command(flatten)]
+        spec: spec::SpecArgs,
         #[arg(long)]
         json: bool,
     },
@@ -236,6 +246,8 @@ enum Command {
         model: ModelArgs,
         #[command(flatten)]
         kv: KvArgs,
+        #[command(flatten)]
+        spec: spec::SpecArgs,
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1")]
         host: String,
@@ -371,7 +383,6 @@ fn run(cli: Cli) -> Result<()> {
             chat_template,
             prompt_cache,
             spec,
-            draft_tokens,
         } => {
             let prompt = match (prompt, prompt_file) {
                 (Some(p), _) => p,
@@ -388,8 +399,7 @@ fn run(cli: Cli) -> Result<()> {
                 prefill_chunk,
                 chat_template,
                 prompt_cache.as_deref(),
-                spec.as_deref(),
-                draft_tokens,
+                &spec,
             )
         }
         Command::Chat {
@@ -399,6 +409,7 @@ fn run(cli: Cli) -> Result<()> {
             kv,
             prefill_chunk,
             prompt_cache,
+            spec,
         } => commands::chat(
             &model,
             max_tokens,
@@ -406,6 +417,7 @@ fn run(cli: Cli) -> Result<()> {
             &kv,
             prefill_chunk,
             prompt_cache.as_deref(),
+            &spec,
         ),
         Command::Eval {
             model,
@@ -454,6 +466,34 @@ fn run(cli: Cli) -> Result<()> {
         } => bench::bench_prompt_cache(&model, &file, suffix_tokens, repeat, &kv, json),
         Command::Bench {
             model,
+            depth,
+            repeat,
+            batch,
+            kv,
+            verify_rounds: Some(list),
+            json,
+            ..
+        } => bench_rounds::bench_verify_rounds(&model, &kv, &list, depth, batch, repeat, json),
+        Command::Bench {
+            model,
+            gen_tokens,
+            repeat,
+            kv,
+            prompt_file,
+            spec,
+            json,
+            ..
+        } if spec.slack() > 0 => spec::bench(
+            &model,
+            &kv,
+            &spec,
+            prompt_file.as_deref(),
+            gen_tokens,
+            repeat,
+            json,
+        ),
+        Command::Bench {
+            model,
             prompt_tokens,
             gen_tokens,
             depth,
@@ -487,6 +527,7 @@ fn run(cli: Cli) -> Result<()> {
             prompt_cache_dir,
             prefill_chunk,
             api_key,
+            spec,
         } => commands::serve(
             &model,
             &kv,
@@ -500,6 +541,7 @@ fn run(cli: Cli) -> Result<()> {
                 prompt_cache_dir,
                 prefill_chunk,
                 api_key,
+                spec,
             },
         ),
         Command::Cache {

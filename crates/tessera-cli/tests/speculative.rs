@@ -1,5 +1,6 @@
-//! `generate --spec ngram` through the binary: the summary line counts the rounds, and
-//! what it cannot do yet is refused before the model loads.
+//! `generate --spec ngram` and `--draft-model` through the binary: the summary line counts
+//! the rounds, sampling speculates too, a draft model of another vocabulary is refused,
+//! and bad flags are refused before the model loads.
 
 mod common;
 
@@ -54,8 +55,12 @@ fn ngram_speculation_reports_its_rounds() {
 fn what_speculation_cannot_do_is_refused_with_the_flag_named() {
     for (args, needle) in [
         (
-            vec!["--spec", "ngram", "--temperature", "0.7"],
-            "--temperature 0",
+            vec!["--spec", "ngram", "--draft-model", "x.gguf"],
+            "--draft-model",
+        ),
+        (
+            vec!["--spec", "ngram", "--draft-tokens", "65"],
+            "--draft-tokens",
         ),
         (
             vec!["--spec", "draft", "--temperature", "0"],
@@ -87,4 +92,80 @@ fn what_speculation_cannot_do_is_refused_with_the_flag_named() {
             "refused before the model loads: {err}"
         );
     }
+}
+
+/// The last stderr line of a generate run with `args`, which must succeed.
+fn summary(args: &[&str]) -> (String, String) {
+    let model = model();
+    let mut all = vec!["generate", "--model", model.as_str()];
+    all.extend_from_slice(args);
+    let (code, out, err) = tessera(&all);
+    assert_eq!(code, 0, "{err}");
+    (out, err.lines().last().unwrap_or_default().to_string())
+}
+
+#[test]
+fn sampling_and_a_draft_model_speculate_and_report() {
+    let prompt = "one two three four five six seven eight nine ten. ".repeat(8);
+    // Sampling: the rejection rule keeps some drafts (the line repeats).
+    let (out, line) = summary(&[
+        "--prompt",
+        &prompt,
+        "--temperature",
+        "0.8",
+        "--seed",
+        "5",
+        "--max-tokens",
+        "24",
+        "--spec",
+        "ngram",
+    ]);
+    assert!(!out.trim().is_empty());
+    assert!(
+        line.contains("generated 24 tokens") && line.contains("spec ngram:3:"),
+        "{line}"
+    );
+    // The model drafting for itself: every draft holds.
+    let (_, line) = summary(&[
+        "--prompt",
+        &prompt,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "24",
+        "--draft-model",
+        &model(),
+        "--draft-tokens",
+        "4",
+    ]);
+    assert!(line.contains("spec draft gemma-3-270m"), "{line}");
+    assert!(
+        line.contains("(100%)") && line.contains("accepted by position % [100 100 100 100]"),
+        "{line}"
+    );
+}
+
+#[test]
+fn a_draft_model_of_another_vocabulary_is_refused() {
+    let qwen = tessera_engine::store::tessera_home()
+        .join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        qwen.exists(),
+        "run `tessera model fetch qwen2.5-coder-0.5b-instruct`"
+    );
+    let (code, _, err) = tessera(&[
+        "generate",
+        "--model",
+        &model(),
+        "--prompt",
+        "hi",
+        "--draft-model",
+        qwen.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("--draft-model") && err.contains("vocabulary"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
 }

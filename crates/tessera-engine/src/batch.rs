@@ -14,7 +14,8 @@
 
 use crate::generate::StopReason;
 use crate::prefix::PrefixCache;
-use crate::sampler::{Sampler, SamplerConfig};
+use crate::sampler::{Dist, Sampler, SamplerConfig};
+use crate::speculative::{verify_token, NgramDrafter, SpecStats};
 use crate::EngineError;
 use candle_core::Tensor;
 use std::collections::VecDeque;
@@ -119,6 +120,20 @@ impl Default for BatchLimits {
     }
 }
 
+/// Speculation inside a batch: every running row drafts by prompt lookup (the continuation
+/// of the latest earlier occurrence of its last `ngram` tokens, at most `max_draft`), and one
+/// forward verifies every row's draft as one chunk per row inside a speculative round;
+/// each row keeps what its own sampler accepts (the rejection rule of
+/// [`crate::speculative`]) and the round rolls every row back to its own count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSpec {
+    pub ngram: usize,
+    pub max_draft: usize,
+}
+
+/// The most tokens a round may draft.
+pub const MAX_DRAFT: usize = 64;
+
 /// A request decoding in the running batch: row `i` of the running cache.
 struct Row {
     id: RequestId,
@@ -134,6 +149,9 @@ struct Row {
     /// The token fed at the next step.
     next: u32,
     kv_bytes: usize,
+    /// With speculation: tokens the next round drafts at most (adapts as in
+    /// [`crate::speculative::Speculative`]).
+    draft_len: usize,
 }
 
 /// A request whose prompt is being read into a cache of its own.
@@ -172,6 +190,8 @@ pub struct Batch<'m> {
     cancelled: Vec<RequestId>,
     next_id: RequestId,
     prefixes: Option<PrefixCache<'m>>,
+    spec: Option<BatchSpec>,
+    spec_stats: SpecStats,
 }
 
 impl<'m> Batch<'m> {
@@ -216,7 +236,38 @@ impl<'m> Batch<'m> {
             cancelled: Vec::new(),
             next_id: 0,
             prefixes: None,
+            spec: None,
+            spec_stats: SpecStats::default(),
         })
+    }
+
+    /// Decodes with speculation ([`BatchSpec`]). Only before the first request: every
+    /// row's cache is made with round slack for the drafts.
+    pub fn with_speculation(mut self, spec: BatchSpec) -> Result<Self, EngineError> {
+        if spec.ngram == 0 || !(1..=MAX_DRAFT).contains(&spec.max_draft) {
+            return Err(EngineError::Invalid(format!(
+                "speculation needs an n-gram of at least 1 token and 1 to {MAX_DRAFT} draft \
+                 tokens, not {} and {}",
+                spec.ngram, spec.max_draft
+            )));
+        }
+        if !self.is_idle() || self.next_id > 0 {
+            return Err(EngineError::Invalid(
+                "speculation is set before the first request".into(),
+            ));
+        }
+        self.spec = Some(spec);
+        Ok(self)
+    }
+
+    /// What the speculative rounds did so far (all zero without speculation).
+    pub fn spec_stats(&self) -> &SpecStats {
+        &self.spec_stats
+    }
+
+    /// Round slack every row's cache has (the longest draft).
+    fn round_slack(&self) -> usize {
+        self.spec.map_or(0, |s| s.max_draft)
     }
 
     /// Keeps finished requests' rows (up to `budget` bytes of KV) so later requests sharing
@@ -385,15 +436,17 @@ impl<'m> Batch<'m> {
         let Some((id, request)) = self.waiting.pop_front() else {
             return Ok(());
         };
+        let slack = self.round_slack();
         let reused = self
             .prefixes
             .as_mut()
-            .and_then(|store| store.lookup(&request.prompt));
+            .and_then(|store| store.lookup(&request.prompt, slack));
         let (cache, fed) = match reused {
             Some((cache, len)) => (cache, len),
             None => (
                 KvCache::new(&self.model.layer_specs(), &self.scheme, vec![0])?
-                    .with_isa(self.model.isa()),
+                    .with_isa(self.model.isa())
+                    .with_round_slack(slack),
                 0,
             ),
         };
@@ -466,6 +519,7 @@ impl<'m> Batch<'m> {
             logprobs,
             next: 0,
             kv_bytes: p.kv_bytes,
+            draft_len: self.round_slack(),
         };
         if let Some(reason) = row.take(&logits, events) {
             events.push(row.finished(reason));
@@ -482,7 +536,8 @@ impl<'m> Batch<'m> {
         Ok(())
     }
 
-    /// One token for every running row; rows that finish leave the batch.
+    /// One token for every running row (with speculation, each row's accepted drafts and
+    /// one token more); rows that finish leave the batch.
     fn decode(&mut self, events: &mut Vec<Event>) -> Result<(), EngineError> {
         let Some(cache) = self.running.as_mut() else {
             return Ok(());
@@ -498,18 +553,137 @@ impl<'m> Batch<'m> {
             }
         }
         if done.is_empty() {
-            let ids: Vec<u32> = self.rows.iter().map(|r| r.next).collect();
-            let ids = Tensor::from_vec(ids, (self.rows.len(), 1), self.model.device())?;
-            let logits = self.model.forward(&ids, cache, LogitsMode::Last)?;
-            let logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
-            for (i, (row, l)) in self.rows.iter_mut().zip(&logits).enumerate() {
-                if let Some(reason) = row.take(l, events) {
-                    events.push(row.finished(reason));
-                    done.push(i);
-                }
+            let drafts = self.drafts(&offsets);
+            if drafts.iter().all(Vec::is_empty) {
+                self.step_rows(events, &mut done)?;
+            } else {
+                self.verify_drafts(&drafts, events, &mut done)?;
             }
         }
         self.remove_rows(&done)
+    }
+
+    /// One plain decode step: every row's next token read, one token sampled per row.
+    fn step_rows(
+        &mut self,
+        events: &mut Vec<Event>,
+        done: &mut Vec<usize>,
+    ) -> Result<(), EngineError> {
+        let Some(cache) = self.running.as_mut() else {
+            return Ok(());
+        };
+        let ids: Vec<u32> = self.rows.iter().map(|r| r.next).collect();
+        let ids = Tensor::from_vec(ids, (self.rows.len(), 1), self.model.device())?;
+        let logits = self.model.forward(&ids, cache, LogitsMode::Last)?;
+        let logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+        for (i, (row, l)) in self.rows.iter_mut().zip(&logits).enumerate() {
+            if let Some(reason) = row.take(l, events) {
+                events.push(row.finished(reason));
+                done.push(i);
+            }
+        }
+        if self.spec.is_some() {
+            // Per row, as in a round: a row decoded without a draft.
+            self.spec_stats.plain_steps += self.rows.len();
+        }
+        Ok(())
+    }
+
+    /// Each running row's draft (empty without speculation or without a match): never more
+    /// tokens than the row may still produce, and every row's chunk inside the context.
+    fn drafts(&self, offsets: &[usize]) -> Vec<Vec<u32>> {
+        let Some(spec) = self.spec else {
+            return vec![Vec::new(); self.rows.len()];
+        };
+        let context = self.model.context_length();
+        // The chunk is as wide for every row: it must fit the fullest row's context.
+        let room = offsets
+            .iter()
+            .map(|&o| context.saturating_sub(o + 1))
+            .min()
+            .unwrap_or(0);
+        let drafter = NgramDrafter { n: spec.ngram };
+        self.rows
+            .iter()
+            .map(|row| {
+                let k = row
+                    .draft_len
+                    .min(row.max_tokens.saturating_sub(row.produced + 1))
+                    .min(room);
+                if k == 0 {
+                    Vec::new()
+                } else {
+                    drafter.lookup(&row.history, k)
+                }
+            })
+            .collect()
+    }
+
+    /// One speculative round over the running batch: every row reads its next token and
+    /// its draft (padded to the widest draft) as one chunk inside a round; each row keeps
+    /// the drafts its sampler accepts and one token more, and the round rolls every row
+    /// back to what it kept.
+    fn verify_drafts(
+        &mut self,
+        drafts: &[Vec<u32>],
+        events: &mut Vec<Event>,
+        done: &mut Vec<usize>,
+    ) -> Result<(), EngineError> {
+        let Some(cache) = self.running.as_mut() else {
+            return Ok(());
+        };
+        let rows = self.rows.len();
+        let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+        let mut ids = Vec::with_capacity(rows * width);
+        for (row, draft) in self.rows.iter().zip(drafts) {
+            ids.push(row.next);
+            ids.extend_from_slice(draft);
+            // Padding: read, never kept.
+            ids.resize(ids.len() + width - 1 - draft.len(), row.next);
+        }
+        let ids = Tensor::from_vec(ids, (rows, width), self.model.device())?;
+        cache.check_append(width)?;
+        cache.round_begin()?;
+        let logits = match self.model.forward(&ids, cache, LogitsMode::All) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = cache.round_rollback(&vec![0; rows]);
+                return Err(e.into());
+            }
+        };
+        let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        let vocab = logits.len() / (rows * width);
+        let mut keep = vec![1; rows];
+        for (i, (row, draft)) in self.rows.iter_mut().zip(drafts).enumerate() {
+            let at: Vec<&[f32]> = (0..width)
+                .map(|j| &logits[(i * width + j) * vocab..(i * width + j + 1) * vocab])
+                .collect();
+            let decided = row.verify(draft, &at);
+            let accepted = decided.len() - 1;
+            keep[i] = 1 + accepted;
+            if draft.is_empty() {
+                self.spec_stats.plain_steps += 1;
+            } else {
+                self.spec_stats.count_round(draft.len(), accepted);
+                row.draft_len = if accepted == draft.len() {
+                    (2 * row.draft_len).min(self.spec.map_or(1, |s| s.max_draft))
+                } else if accepted == 0 {
+                    (row.draft_len / 2).max(1)
+                } else {
+                    row.draft_len
+                };
+            }
+            for (j, &t) in decided.iter().enumerate() {
+                row.sampler.record(t);
+                if let Some(reason) = row.emit(t, at[j], events) {
+                    events.push(row.finished(reason));
+                    done.push(i);
+                    break;
+                }
+            }
+        }
+        cache.round_rollback(&keep)?;
+        Ok(())
     }
 
     fn drop_cancelled(&mut self) -> Result<(), EngineError> {
@@ -559,6 +733,15 @@ impl Row {
             return Some(StopReason::MaxTokens);
         }
         let token = self.sampler.sample(logits, &self.history);
+        self.emit(token, logits, events)
+    }
+
+    /// Emits `token`, decided from `logits`, and returns `None`, or returns why the request
+    /// ends (a stop token is not emitted).
+    fn emit(&mut self, token: u32, logits: &[f32], events: &mut Vec<Event>) -> Option<StopReason> {
+        if self.produced >= self.max_tokens {
+            return Some(StopReason::MaxTokens);
+        }
         if self.stop_tokens.contains(&token) {
             return Some(StopReason::EndToken);
         }
@@ -574,6 +757,34 @@ impl Row {
         self.history.push(token);
         self.next = token;
         (self.produced >= self.max_tokens).then_some(StopReason::MaxTokens)
+    }
+
+    /// The tokens a round decides for this row: the accepted prefix of `draft` and one
+    /// token more, by the rejection rule over the logits `at(j)` of chunk position `j`
+    /// (a prompt-lookup draft is a point mass). Neither emitted nor recorded here.
+    fn verify(&mut self, draft: &[u32], at: &[&[f32]]) -> Vec<u32> {
+        let base = self.history.len();
+        let mut next = None;
+        for (j, &t) in draft.iter().enumerate() {
+            let p = self.sampler.distribution(at[j], &self.history, &draft[..j]);
+            match verify_token(&p, &Dist::point(t), t, &mut self.sampler) {
+                Ok(()) => self.history.push(t),
+                Err(r) => {
+                    next = Some(r);
+                    break;
+                }
+            }
+        }
+        let accepted = self.history.len() - base;
+        let next = next.unwrap_or_else(|| {
+            let p = self
+                .sampler
+                .distribution(at[accepted], &self.history, draft);
+            self.sampler.draw(&p)
+        });
+        let mut decided: Vec<u32> = self.history.drain(base..).collect();
+        decided.push(next);
+        decided
     }
 
     fn finished(&self, reason: StopReason) -> Event {

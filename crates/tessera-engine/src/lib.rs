@@ -23,11 +23,11 @@ pub mod speculative;
 pub mod store;
 
 pub use batch::{
-    generate_batch_greedy, Batch, BatchLimits, Event, GenerationRequest, RequestId, TokenLogprobs,
-    MAX_TOP_LOGPROBS, PREFIX_CHECKPOINT,
+    generate_batch_greedy, Batch, BatchLimits, BatchSpec, Event, GenerationRequest, RequestId,
+    TokenLogprobs, MAX_DRAFT, MAX_TOP_LOGPROBS, PREFIX_CHECKPOINT,
 };
 pub use error::EngineError;
 pub use generate::{Generation, StopReason, TextStream};
 pub use prefix::PrefixCache;
-pub use sampler::{argmax, Sampler, SamplerConfig};
+pub use sampler::{argmax, Dist, Sampler, SamplerConfig};
 pub use session::{log_softmax, Session, DEFAULT_PREFILL_CHUNK};

@@ -324,8 +324,10 @@ impl<'m> PrefixCache<'m> {
     /// A one-row cache holding the longest reusable prefix of `prompt` and its length, or
     /// `None`. The stored row stays (a copy is handed out). A lazy row that the longest
     /// match picks is read from its file first; one that fails to read is dropped from
-    /// the index and the next longest match is tried.
-    pub fn lookup(&mut self, prompt: &[u32]) -> Option<(KvCache, usize)> {
+    /// the index and the next longest match is tried. Only rows of `round_slack` count (a
+    /// row joins a batch of its own slack only; files saved by a server without
+    /// speculation have none).
+    pub fn lookup(&mut self, prompt: &[u32], round_slack: usize) -> Option<(KvCache, usize)> {
         let limit = prompt.len().saturating_sub(1);
         // Longest first; equal lengths in store order (the first stored wins).
         let mut candidates: Vec<(usize, usize)> = self
@@ -356,6 +358,9 @@ impl<'m> PrefixCache<'m> {
             let Some(cache) = e.cache.as_ref() else {
                 continue;
             };
+            if cache.round_slack() != round_slack {
+                continue;
+            }
             if cache
                 .minimum_reusable_offset()
                 .is_some_and(|floor| len < floor)

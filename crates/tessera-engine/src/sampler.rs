@@ -93,8 +93,8 @@ impl Sampler {
         }
     }
 
-    /// SplitMix64: small, fast, and good enough for sampling.
-    fn next_f32(&mut self) -> f32 {
+    /// SplitMix64: small, fast, and good enough for sampling. A uniform draw in [0, 1).
+    pub(crate) fn uniform(&mut self) -> f32 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -103,26 +103,60 @@ impl Sampler {
         (z >> 40) as f32 / (1u64 << 24) as f32
     }
 
+    pub fn config(&self) -> &SamplerConfig {
+        &self.config
+    }
+
     /// Picks the next token from `logits`, given the tokens so far.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        let token = self.pick(logits, history);
-        if self.config.presence_penalty != 0.0 || self.config.frequency_penalty != 0.0 {
-            *self.picked.entry(token).or_default() += 1;
-        }
+        let dist = self.distribution(logits, history, &[]);
+        let token = self.draw(&dist);
+        self.record(token);
         token
     }
 
-    fn pick(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    /// A token from `dist` (no randomness spent on a single candidate, so greedy output
+    /// never depends on the seed).
+    pub fn draw(&mut self, dist: &Dist) -> u32 {
+        if dist.ids.len() == 1 {
+            return dist.ids[0];
+        }
+        let u = self.uniform();
+        dist.draw(u)
+    }
+
+    /// Counts `token` as picked (the presence and frequency penalties' memory).
+    pub fn record(&mut self, token: u32) {
+        if self.config.presence_penalty != 0.0 || self.config.frequency_penalty != 0.0 {
+            *self.picked.entry(token).or_default() += 1;
+        }
+    }
+
+    /// The distribution the next token is drawn from: the penalties, temperature and
+    /// filters applied to `logits`, given the tokens so far (`history`, for the repetition
+    /// penalty) and `pending` tokens that count as picked without having been recorded yet
+    /// (a speculative round's earlier drafts). Greedy is a single candidate.
+    pub fn distribution(&self, logits: &[f32], history: &[u32], pending: &[u32]) -> Dist {
         let c = &self.config;
-        if c.temperature <= 0.0 && c.repetition_penalty == 1.0 && self.picked.is_empty() {
+        let penalized = c.presence_penalty != 0.0 || c.frequency_penalty != 0.0;
+        if c.temperature <= 0.0
+            && c.repetition_penalty == 1.0
+            && (!penalized || (self.picked.is_empty() && pending.is_empty()))
+        {
             // Greedy with nothing to penalize: no copy of the vocabulary's logits (a
             // megabyte per row per step at Gemma's 262k).
-            return argmax(logits);
+            return Dist::point(argmax(logits));
         }
         let mut logits = logits.to_vec();
-        for (&id, &count) in &self.picked {
-            if let Some(l) = logits.get_mut(id as usize) {
-                *l -= c.presence_penalty + c.frequency_penalty * count as f32;
+        if penalized {
+            let mut picked = self.picked.clone();
+            for &t in pending {
+                *picked.entry(t).or_default() += 1;
+            }
+            for (&id, &count) in &picked {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l -= c.presence_penalty + c.frequency_penalty * count as f32;
+                }
             }
         }
         if c.repetition_penalty != 1.0 {
@@ -141,7 +175,7 @@ impl Sampler {
             }
         }
         if c.temperature <= 0.0 {
-            return argmax(&logits);
+            return Dist::point(argmax(&logits));
         }
         // Candidates sorted by logit, best first; filters cut the tail.
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
@@ -175,15 +209,55 @@ impl Sampler {
                 }
             }
         }
-        let total: f32 = probs[..keep].iter().sum();
-        let mut r = self.next_f32() * total;
-        for i in 0..keep {
-            r -= probs[i];
-            if r <= 0.0 {
-                return idx[i];
+        idx.truncate(keep);
+        probs.truncate(keep);
+        let total: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        Dist { ids: idx, probs }
+    }
+}
+
+/// A sampling distribution: the candidates left after the filters, best first, with
+/// probabilities that sum to 1.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dist {
+    pub ids: Vec<u32>,
+    pub probs: Vec<f32>,
+}
+
+impl Dist {
+    /// All mass on `id` (greedy, or a deterministic draft).
+    pub fn point(id: u32) -> Self {
+        Dist {
+            ids: vec![id],
+            probs: vec![1.0],
+        }
+    }
+
+    /// The probability of `id` (0 outside the candidates).
+    pub fn prob(&self, id: u32) -> f32 {
+        self.ids
+            .iter()
+            .position(|&i| i == id)
+            .map_or(0.0, |at| self.probs[at])
+    }
+
+    /// The candidate where the cumulative probability passes `u` in [0, 1).
+    pub fn draw(&self, u: f32) -> u32 {
+        let mut r = u;
+        for (&id, &p) in self.ids.iter().zip(&self.probs) {
+            r -= p;
+            if r < 0.0 {
+                return id;
             }
         }
-        idx[keep - 1]
+        // Rounding left `u` past the sum: the last candidate with any mass.
+        self.ids
+            .iter()
+            .zip(&self.probs)
+            .rev()
+            .find(|(_, &p)| p > 0.0)
+            .map_or(self.ids[0], |(&id, _)| id)
     }
 }
 

@@ -367,11 +367,13 @@ fn files_follow_the_rows_and_the_budget() {
     assert_eq!((store.len(), store.lazy()), (2, 2));
     let extend = |r: &[u32]| cat(r, &[r[5], r[6]]);
     assert!(
-        store.lookup(&extend(&r1)).is_none(),
+        store.lookup(&extend(&r1), 0).is_none(),
         "the oldest file is not indexed"
     );
     assert!(r1_file.exists(), "and stays on disk");
-    let (cache, len) = store.lookup(&extend(&r3)).expect("the newest file is read");
+    let (cache, len) = store
+        .lookup(&extend(&r3), 0)
+        .expect("the newest file is read");
     assert_eq!((len, cache.offsets()), (r3.len(), vec![r3.len()]));
     assert_eq!(store.lazy(), 1);
     drop(store);
@@ -383,7 +385,7 @@ fn files_follow_the_rows_and_the_budget() {
     store.insert(r1.clone(), row(&model, &scheme, &r1));
     assert_eq!(store.len(), 1);
     let (_, len) = store
-        .lookup(&extend(&r1))
+        .lookup(&extend(&r1), 0)
         .expect("the row is held in memory");
     assert_eq!(len, r1.len());
     assert!(PrefixCache::with_dir(budget, &gone.0, &model, &scheme).is_err());

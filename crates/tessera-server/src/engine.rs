@@ -14,8 +14,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message};
+use tessera_engine::speculative::SpecStats;
 use tessera_engine::{
-    Batch, BatchLimits, EngineError, Event, GenerationRequest, RequestId, SamplerConfig,
+    Batch, BatchLimits, BatchSpec, EngineError, Event, GenerationRequest, RequestId, SamplerConfig,
     StopReason, TextStream, TokenLogprobs,
 };
 use tessera_kv::KvScheme;
@@ -100,6 +101,8 @@ pub struct EngineParts {
     pub prompt_cache_dir: Option<PathBuf>,
     /// `None`: the chat endpoint answers 400.
     pub chat_template: Option<ChatTemplate>,
+    /// Speculation inside the batch (`--spec ngram`); `None`: plain decode steps.
+    pub spec: Option<BatchSpec>,
     /// End of a completion: EOS (and EOT).
     pub stop_tokens: Vec<u32>,
     /// End of a chat reply: EOS, EOT and the template's end-of-turn token.
@@ -344,7 +347,42 @@ fn byte_level(raw: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-fn publish(metrics: &Metrics, batch: &Batch, tally: &mut Tally, base: (u64, u64)) {
+/// Counts of batches a failure replaced, added to the live batch's so counters never fall.
+#[derive(Default)]
+struct Base {
+    prefix: (u64, u64),
+    spec: SpecStats,
+}
+
+impl Base {
+    /// Keeps `batch`'s counts before it is replaced.
+    fn absorb(&mut self, batch: &Batch) {
+        if let Some(p) = batch.prefix_cache() {
+            let (hits, tokens) = p.hits();
+            self.prefix = (self.prefix.0 + hits, self.prefix.1 + tokens);
+        }
+        self.spec = add_spec(&self.spec, batch.spec_stats());
+    }
+}
+
+/// `a + b`, position by position.
+fn add_spec(a: &SpecStats, b: &SpecStats) -> SpecStats {
+    let by_position = |x: &[usize], y: &[usize]| -> Vec<usize> {
+        (0..x.len().max(y.len()))
+            .map(|i| x.get(i).unwrap_or(&0) + y.get(i).unwrap_or(&0))
+            .collect()
+    };
+    SpecStats {
+        rounds: a.rounds + b.rounds,
+        plain_steps: a.plain_steps + b.plain_steps,
+        drafted: a.drafted + b.drafted,
+        accepted: a.accepted + b.accepted,
+        drafted_at: by_position(&a.drafted_at, &b.drafted_at),
+        accepted_at: by_position(&a.accepted_at, &b.accepted_at),
+    }
+}
+
+fn publish(metrics: &Metrics, batch: &Batch, tally: &mut Tally, base: &Base) {
     let prefixes = batch.prefix_cache();
     let (hits, tokens) = prefixes.map_or((0, 0), |p| p.hits());
     metrics.publish(
@@ -355,8 +393,9 @@ fn publish(metrics: &Metrics, batch: &Batch, tally: &mut Tally, base: (u64, u64)
             kv_bytes_allocated: batch.kv_bytes_allocated(),
             kv_bytes_reserved: batch.kv_bytes_reserved(),
             prefix_cache_bytes: prefixes.map_or(0, |p| p.bytes()),
-            prefix_cache_hits: base.0 + hits,
-            prefix_cache_tokens: base.1 + tokens,
+            prefix_cache_hits: base.prefix.0 + hits,
+            prefix_cache_tokens: base.prefix.1 + tokens,
+            spec: add_spec(&base.spec, batch.spec_stats()),
         },
     );
 }
@@ -370,8 +409,16 @@ fn new_batch<'m>(
     limits: BatchLimits,
     prefix_cache: usize,
     dir: Option<&Path>,
+    spec: Option<BatchSpec>,
 ) -> Result<Batch<'m>, EngineError> {
-    let batch = Batch::new(model, scheme, prefill_chunk, limits)?;
+    let fresh = || -> Result<Batch<'m>, EngineError> {
+        let batch = Batch::new(model, scheme, prefill_chunk, limits)?;
+        match spec {
+            Some(spec) => batch.with_speculation(spec),
+            None => Ok(batch),
+        }
+    };
+    let batch = fresh()?;
     let Some(dir) = dir else {
         return Ok(batch.with_prefix_cache(prefix_cache));
     };
@@ -379,7 +426,7 @@ fn new_batch<'m>(
         Ok(b) => Ok(b),
         Err(e) => {
             eprintln!("{e}; the prefix cache is kept in memory only");
-            Ok(Batch::new(model, scheme, prefill_chunk, limits)?.with_prefix_cache(prefix_cache))
+            Ok(fresh()?.with_prefix_cache(prefix_cache))
         }
     }
 }
@@ -404,9 +451,18 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
         chat_template,
         stop_tokens,
         chat_stop_tokens,
+        spec,
     } = parts;
     let dir = prompt_cache_dir.as_deref();
-    let mut batch = match new_batch(&model, &scheme, prefill_chunk, limits, prefix_cache, dir) {
+    let mut batch = match new_batch(
+        &model,
+        &scheme,
+        prefill_chunk,
+        limits,
+        prefix_cache,
+        dir,
+        spec,
+    ) {
         Ok(b) => b,
         Err(e) => {
             // Validated before the server starts; answer every request with the reason.
@@ -422,8 +478,8 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
     log_notes(&mut batch);
     let mut live: HashMap<RequestId, Live> = HashMap::new();
     let mut tally = Tally::default();
-    // Prefix-store hits of batches a failure replaced.
-    let mut prefix_base = (0u64, 0u64);
+    // Prefix-store hits and speculation counts of batches a failure replaced.
+    let mut base = Base::default();
     let mut texts = TokenTexts::default();
     let mut outbox: Vec<Outgoing> = Vec::new();
     let context = model.context_length();
@@ -472,7 +528,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
         Ok((prompt, max_tokens, stops))
     };
     loop {
-        publish(&metrics, &batch, &mut tally, prefix_base);
+        publish(&metrics, &batch, &mut tally, &base);
         // New submissions: wait for one only when there is nothing to step.
         loop {
             let submit = if batch.is_idle() && live.is_empty() {
@@ -583,17 +639,22 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                         },
                     ));
                 }
-                if let Some(p) = batch.prefix_cache() {
-                    let (hits, tokens) = p.hits();
-                    prefix_base = (prefix_base.0 + hits, prefix_base.1 + tokens);
-                }
+                base.absorb(&batch);
                 // The rows kept in memory are gone; those on disk are indexed again.
-                match new_batch(&model, &scheme, prefill_chunk, limits, prefix_cache, dir) {
+                match new_batch(
+                    &model,
+                    &scheme,
+                    prefill_chunk,
+                    limits,
+                    prefix_cache,
+                    dir,
+                    spec,
+                ) {
                     Ok(b) => batch = b,
                     Err(_) => return,
                 }
                 log_notes(&mut batch);
-                publish(&metrics, &batch, &mut tally, prefix_base);
+                publish(&metrics, &batch, &mut tally, &base);
                 for (to, reply) in outbox.drain(..) {
                     let _ = to.send(reply);
                 }
@@ -676,7 +737,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                 }
             }
         }
-        publish(&metrics, &batch, &mut tally, prefix_base);
+        publish(&metrics, &batch, &mut tally, &base);
         for (to, reply) in outbox.drain(..) {
             let _ = to.send(reply);
         }

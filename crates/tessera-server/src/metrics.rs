@@ -7,6 +7,7 @@
 
 use std::fmt::Write as _;
 use std::sync::{Mutex, MutexGuard};
+use tessera_engine::speculative::SpecStats;
 
 /// Histogram bucket bounds in seconds, 1 ms to 60 s (`+Inf` is added).
 pub const BUCKETS: [f64; 16] = [
@@ -91,7 +92,7 @@ impl Tally {
 }
 
 /// The batch's state at one moment.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Gauges {
     pub running: usize,
     pub waiting: usize,
@@ -101,6 +102,9 @@ pub struct Gauges {
     /// Since the server started (the totals the prefix store reports).
     pub prefix_cache_hits: u64,
     pub prefix_cache_tokens: u64,
+    /// Since the server started: what speculation (`--spec`) drafted and accepted (all zero
+    /// without it).
+    pub spec: SpecStats,
 }
 
 #[derive(Debug, Default)]
@@ -148,7 +152,7 @@ impl Metrics {
     pub fn render(&self) -> String {
         let (totals, g) = {
             let s = self.lock();
-            (s.totals.clone(), s.gauges)
+            (s.totals.clone(), s.gauges.clone())
         };
         let mut out = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, String)]| {
@@ -230,6 +234,50 @@ impl Metrics {
             "counter",
             "Prompt tokens a stored prefix gave (not read again).",
             &one(g.prefix_cache_tokens),
+        );
+        for (name, help, v) in [
+            (
+                "tessera_spec_rounds_total",
+                "Speculative rounds: a running request's draft verified in a step (--spec).",
+                g.spec.rounds,
+            ),
+            (
+                "tessera_spec_plain_steps_total",
+                "Decode steps with speculation on that verified no draft (no match, or none \
+                 left to draft).",
+                g.spec.plain_steps,
+            ),
+            (
+                "tessera_spec_drafted_tokens_total",
+                "Tokens drafted by prompt lookup and verified.",
+                g.spec.drafted,
+            ),
+            (
+                "tessera_spec_accepted_tokens_total",
+                "Drafted tokens accepted (generated without a step of their own).",
+                g.spec.accepted,
+            ),
+        ] {
+            metric(name, "counter", help, &one(v as u64));
+        }
+        let by_position = |counts: &[usize]| -> Vec<(String, String)> {
+            counts
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (format!("{{position=\"{i}\"}}"), v.to_string()))
+                .collect()
+        };
+        metric(
+            "tessera_spec_drafted_by_position_total",
+            "counter",
+            "Speculative rounds that drafted a token at this draft position (from 0).",
+            &by_position(&g.spec.drafted_at),
+        );
+        metric(
+            "tessera_spec_accepted_by_position_total",
+            "counter",
+            "Speculative rounds that accepted the drafted token at this draft position.",
+            &by_position(&g.spec.accepted_at),
         );
         for (name, help, h) in [
             (
@@ -314,6 +362,40 @@ mod tests {
                 .filter(|b| text.contains(&format!("# TYPE {b} histogram")))
                 .unwrap_or(name);
             assert!(text.contains(&format!("# HELP {base} ")), "{l}");
+        }
+        // Without speculation the counters read 0.
+        assert!(text
+            .lines()
+            .any(|l| l == "tessera_spec_drafted_tokens_total 0"));
+    }
+
+    #[test]
+    fn speculation_counts_by_position() {
+        let m = Metrics::new(None);
+        let mut spec = SpecStats::default();
+        spec.count_round(3, 1);
+        spec.count_round(1, 1);
+        spec.plain_steps = 2;
+        m.publish(
+            &mut Tally::default(),
+            Gauges {
+                spec,
+                ..Default::default()
+            },
+        );
+        let text = m.render();
+        for line in [
+            "tessera_spec_rounds_total 2",
+            "tessera_spec_plain_steps_total 2",
+            "tessera_spec_drafted_tokens_total 4",
+            "tessera_spec_accepted_tokens_total 2",
+            "tessera_spec_drafted_by_position_total{position=\"0\"} 2",
+            "tessera_spec_drafted_by_position_total{position=\"2\"} 1",
+            "tessera_spec_accepted_by_position_total{position=\"0\"} 2",
+            "tessera_spec_accepted_by_position_total{position=\"1\"} 0",
+            "# TYPE tessera_spec_accepted_by_position_total counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
     }
 }

@@ -39,6 +39,23 @@ pub fn load_with(options: LoadOptions) -> (Model, Tokenizer) {
     Model::load(&model_path(), &options, &Device::Cpu).expect("default model loads")
 }
 
+/// Qwen 2.5 Coder 0.5B Instruct in the store (`.ci/run` fetches it with `tessera model
+/// fetch qwen2.5-coder-0.5b-instruct`).
+pub fn qwen_path() -> PathBuf {
+    let path = tessera_engine::store::tessera_home()
+        .join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        path.exists(),
+        "model {} is missing: run `tessera model fetch qwen2.5-coder-0.5b-instruct`",
+        path.display()
+    );
+    path
+}
+
+pub fn load_path(path: &std::path::Path) -> (Model, Tokenizer) {
+    Model::load(path, &LoadOptions::default(), &Device::Cpu).expect("model loads")
+}
+
 /// The repository's sibling `shared/` folder.
 pub fn shared(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
