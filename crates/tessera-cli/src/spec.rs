@@ -27,7 +27,8 @@ pub struct SpecArgs {
     #[arg(long, value_name = "P|NAME")]
     pub draft_model: Option<PathBuf>,
     /// With --spec or --draft-model: most tokens drafted per round (the draft length halves
-    /// after a round that accepts none and doubles back after one that accepts all).
+    /// after a round that accepts none and doubles back after one that accepts all; drafting
+    /// pauses a few steps when single drafts keep failing).
     #[arg(long, default_value_t = 8)]
     pub draft_tokens: usize,
 }

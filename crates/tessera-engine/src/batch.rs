@@ -15,7 +15,7 @@
 use crate::generate::StopReason;
 use crate::prefix::PrefixCache;
 use crate::sampler::{Dist, Sampler, SamplerConfig};
-use crate::speculative::{verify_token, NgramDrafter, SpecStats};
+use crate::speculative::{verify_token, DraftLength, NgramDrafter, SpecStats};
 use crate::EngineError;
 use candle_core::Tensor;
 use std::collections::VecDeque;
@@ -149,9 +149,8 @@ struct Row {
     /// The token fed at the next step.
     next: u32,
     kv_bytes: usize,
-    /// With speculation: tokens the next round drafts at most (adapts as in
-    /// [`crate::speculative::Speculative`]).
-    draft_len: usize,
+    /// With speculation: tokens the next round drafts at most.
+    draft_len: DraftLength,
 }
 
 /// A request whose prompt is being read into a cache of its own.
@@ -519,7 +518,7 @@ impl<'m> Batch<'m> {
             logprobs,
             next: 0,
             kv_bytes: p.kv_bytes,
-            draft_len: self.round_slack(),
+            draft_len: DraftLength::new(self.round_slack()),
         };
         if let Some(reason) = row.take(&logits, events) {
             events.push(row.finished(reason));
@@ -591,7 +590,7 @@ impl<'m> Batch<'m> {
 
     /// Each running row's draft (empty without speculation or without a match): never more
     /// tokens than the row may still produce, and every row's chunk inside the context.
-    fn drafts(&self, offsets: &[usize]) -> Vec<Vec<u32>> {
+    fn drafts(&mut self, offsets: &[usize]) -> Vec<Vec<u32>> {
         let Some(spec) = self.spec else {
             return vec![Vec::new(); self.rows.len()];
         };
@@ -604,10 +603,11 @@ impl<'m> Batch<'m> {
             .unwrap_or(0);
         let drafter = NgramDrafter { n: spec.ngram };
         self.rows
-            .iter()
+            .iter_mut()
             .map(|row| {
                 let k = row
                     .draft_len
+                    .next()
                     .min(row.max_tokens.saturating_sub(row.produced + 1))
                     .min(room);
                 if k == 0 {
@@ -665,13 +665,7 @@ impl<'m> Batch<'m> {
                 self.spec_stats.plain_steps += 1;
             } else {
                 self.spec_stats.count_round(draft.len(), accepted);
-                row.draft_len = if accepted == draft.len() {
-                    (2 * row.draft_len).min(self.spec.map_or(1, |s| s.max_draft))
-                } else if accepted == 0 {
-                    (row.draft_len / 2).max(1)
-                } else {
-                    row.draft_len
-                };
+                row.draft_len.update(draft.len(), accepted);
             }
             for (j, &t) in decided.iter().enumerate() {
                 row.sampler.record(t);

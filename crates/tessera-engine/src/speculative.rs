@@ -18,8 +18,9 @@
 //! `p` puts all its mass on the argmax, so the rule keeps the drafts that equal the
 //! target's argmax and then takes the argmax: plain greedy decode, up to the numerics of
 //! reading several positions as one chunk (a quantized matmul's sums depend on its row
-//! count, which can flip a near tie). The draft length adapts: halved after a round that
-//! accepts nothing, doubled after one that accepts everything.
+//! count, which can flip a near tie). The draft length adapts ([`DraftLength`]): halved after
+//! a round that accepts nothing, doubled after one that accepts everything, and drafting
+//! pauses for a while after single drafts keep failing.
 
 use crate::generate::StopReason;
 use crate::sampler::{Dist, Sampler, SamplerConfig};
@@ -260,6 +261,63 @@ pub fn verify_token(p: &Dist, q: &Dist, token: u32, sampler: &mut Sampler) -> Re
     Err(sampler.draw(&residual))
 }
 
+/// How many tokens the next round drafts: halved after a round that keeps none of its
+/// drafts, doubled (up to the most) after one that keeps all. A round of one draft that
+/// keeps nothing also starts a back-off: the next 1, then 2, 4, … up to 16 steps decode
+/// plainly, until a round keeps a draft again. On output the drafter cannot predict, a
+/// failed round costs more than a step (a chunk of two positions), so drafting pauses there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftLength {
+    max: usize,
+    k: usize,
+    backoff: usize,
+    wait: usize,
+}
+
+impl DraftLength {
+    /// The longest back-off, in plain steps.
+    pub const MAX_BACKOFF: usize = 16;
+
+    pub fn new(max: usize) -> Self {
+        DraftLength {
+            max,
+            k: max,
+            backoff: 0,
+            wait: 0,
+        }
+    }
+
+    /// The most tokens this round may draft; 0 while backing off (a plain step). Called
+    /// once per step.
+    pub fn next(&mut self) -> usize {
+        if self.wait > 0 {
+            self.wait -= 1;
+            0
+        } else {
+            self.k
+        }
+    }
+
+    /// After a round that drafted `drafted` tokens and kept `accepted`.
+    pub fn update(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        if accepted == 0 {
+            if self.k == 1 {
+                self.backoff = (2 * self.backoff).clamp(1, Self::MAX_BACKOFF);
+                self.wait = self.backoff;
+            }
+            self.k = (self.k / 2).max(1);
+        } else {
+            self.backoff = 0;
+            if accepted == drafted {
+                self.k = (2 * self.k).min(self.max);
+            }
+        }
+    }
+}
+
 /// What the rounds did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SpecStats {
@@ -288,6 +346,22 @@ impl SpecStats {
         self.accepted_at[..accepted]
             .iter_mut()
             .for_each(|n| *n += 1);
+    }
+
+    /// Adds `other`'s counts, position by position.
+    pub fn add(&mut self, other: &SpecStats) {
+        let sum = |x: &mut Vec<usize>, y: &[usize]| {
+            if x.len() < y.len() {
+                x.resize(y.len(), 0);
+            }
+            x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+        };
+        self.rounds += other.rounds;
+        self.plain_steps += other.plain_steps;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        sum(&mut self.drafted_at, &other.drafted_at);
+        sum(&mut self.accepted_at, &other.accepted_at);
     }
 
     /// Tokens decided per target forward.
@@ -326,7 +400,6 @@ pub struct Speculative<'a, 'm> {
     session: &'a mut Session<'m>,
     drafter: &'a mut dyn Drafter,
     sampler: Sampler,
-    max_draft: usize,
     stop_tokens: Vec<u32>,
     max_tokens: usize,
     produced: usize,
@@ -338,10 +411,8 @@ pub struct Speculative<'a, 'm> {
     stop_token: Option<u32>,
     failed: bool,
     stats: SpecStats,
-    /// Tokens the next round drafts at most: halved after a round that accepts nothing,
-    /// doubled (up to `max_draft`) after one that accepts everything, so a stretch of
-    /// output the drafter cannot predict costs short verifications.
-    k: usize,
+    /// Tokens the next round drafts at most ([`DraftLength`]).
+    length: DraftLength,
 }
 
 impl<'a, 'm> Speculative<'a, 'm> {
@@ -383,7 +454,6 @@ impl<'a, 'm> Speculative<'a, 'm> {
             session,
             drafter,
             sampler,
-            max_draft,
             stop_tokens,
             max_tokens,
             produced: 0,
@@ -393,7 +463,7 @@ impl<'a, 'm> Speculative<'a, 'm> {
             stop_token: None,
             failed: false,
             stats: SpecStats::default(),
-            k: max_draft,
+            length: DraftLength::new(max_draft),
         })
     }
 
@@ -424,7 +494,8 @@ impl<'a, 'm> Speculative<'a, 'm> {
         }
         // Never decide more than max_tokens, never read past the context.
         let k = self
-            .k
+            .length
+            .next()
             .min(self.max_tokens - self.produced - 1)
             .min(left - 1);
         let mut draft = if k > 0 {
@@ -492,13 +563,7 @@ impl<'a, 'm> Speculative<'a, 'm> {
             self.sampler.record(t);
             self.ready.push_back(t);
         }
-        self.k = if accepted == n {
-            (2 * self.k).min(self.max_draft)
-        } else if accepted == 0 {
-            (self.k / 2).max(1)
-        } else {
-            self.k
-        };
+        self.length.update(n, accepted);
         self.stats.count_round(n, accepted);
         Ok(())
     }
@@ -684,6 +749,37 @@ mod tests {
             return (f64::INFINITY, 0.0);
         }
         chi_square(&counts, p)
+    }
+
+    #[test]
+    fn the_draft_length_adapts_and_backs_off() {
+        let mut len = super::DraftLength::new(8);
+        assert_eq!(len.next(), 8);
+        len.update(8, 3);
+        assert_eq!(len.next(), 8, "a partial round keeps the length");
+        for want in [4, 2, 1] {
+            len.update(8, 0);
+            assert_eq!(len.next(), want);
+        }
+        // Single drafts failing: 1, 2, 4 … 16 plain steps between them.
+        let mut waits = Vec::new();
+        for _ in 0..6 {
+            len.update(1, 0);
+            let mut wait = 0;
+            while len.next() == 0 {
+                wait += 1;
+            }
+            waits.push(wait);
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 16]);
+        // A kept draft ends the back-off; a fully kept one doubles the length.
+        len.update(1, 1);
+        assert_eq!(len.next(), 2);
+        len.update(2, 0);
+        assert_eq!(len.next(), 1, "halved, no back-off yet");
+        len.update(1, 0);
+        assert_eq!(len.next(), 0, "the back-off starts over at one step");
+        assert_eq!(len.next(), 1);
     }
 
     #[test]

@@ -44,7 +44,7 @@ fn check_greedy_equals_plain(
     kv: &str,
     drafter: &mut dyn Drafter,
 ) -> SpecStats {
-    let scheme = KvScheme::parse(kv).unwrap();
+    let scheme = scheme(kv);
     let session = || {
         Session::new(model, &scheme, 256)
             .unwrap()
@@ -90,11 +90,22 @@ fn check_greedy_equals_plain(
     st
 }
 
+/// A scheme by name, or `mix`: a kv-config of three codecs (affine:4 by default, the
+/// sliding-window layers turbo:3, layer 5 bf16).
+fn scheme(kv: &str) -> KvScheme {
+    if kv == "mix" {
+        let config = r#"{"default": "affine:4", "sliding": "turbo:3",
+                         "layers": [{"layer": 5, "scheme": "bf16"}]}"#;
+        return KvScheme::from_config_json(config).unwrap();
+    }
+    KvScheme::parse(kv).unwrap()
+}
+
 #[test]
 fn speculative_greedy_equals_plain_greedy_on_every_scheme() {
     let (model, tok) = common::load_f32_weights();
     let prompt = copy_prompt(&tok);
-    for kv in ["bf16", "affine:4", "turbo:4", "turbo:4:global"] {
+    for kv in ["bf16", "affine:4", "turbo:4", "turbo:4:global", "mix"] {
         let st = check_greedy_equals_plain(&model, &prompt, kv, &mut NgramDrafter { n: 3 });
         // The bf16 model copies the passage, so most drafts hold; how well the model copies
         // over a 4-bit cache is that cache's quality (printed above).

@@ -361,24 +361,7 @@ impl Base {
             let (hits, tokens) = p.hits();
             self.prefix = (self.prefix.0 + hits, self.prefix.1 + tokens);
         }
-        self.spec = add_spec(&self.spec, batch.spec_stats());
-    }
-}
-
-/// `a + b`, position by position.
-fn add_spec(a: &SpecStats, b: &SpecStats) -> SpecStats {
-    let by_position = |x: &[usize], y: &[usize]| -> Vec<usize> {
-        (0..x.len().max(y.len()))
-            .map(|i| x.get(i).unwrap_or(&0) + y.get(i).unwrap_or(&0))
-            .collect()
-    };
-    SpecStats {
-        rounds: a.rounds + b.rounds,
-        plain_steps: a.plain_steps + b.plain_steps,
-        drafted: a.drafted + b.drafted,
-        accepted: a.accepted + b.accepted,
-        drafted_at: by_position(&a.drafted_at, &b.drafted_at),
-        accepted_at: by_position(&a.accepted_at, &b.accepted_at),
+        self.spec.add(batch.spec_stats());
     }
 }
 
@@ -395,7 +378,11 @@ fn publish(metrics: &Metrics, batch: &Batch, tally: &mut Tally, base: &Base) {
             prefix_cache_bytes: prefixes.map_or(0, |p| p.bytes()),
             prefix_cache_hits: base.prefix.0 + hits,
             prefix_cache_tokens: base.prefix.1 + tokens,
-            spec: add_spec(&base.spec, batch.spec_stats()),
+            spec: {
+                let mut spec = base.spec.clone();
+                spec.add(batch.spec_stats());
+                spec
+            },
         },
     );
 }
