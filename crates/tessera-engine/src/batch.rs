@@ -672,6 +672,10 @@ impl<'m> Batch<'m> {
                 if let Some(reason) = row.emit(t, at[j], events) {
                     events.push(row.finished(reason));
                     done.push(i);
+                    // A stop token among the accepted drafts: the row keeps only positions
+                    // of tokens it emitted (its cache must hold its history's prefix, which
+                    // the prefix store keeps it by).
+                    keep[i] = keep[i].min(1 + j);
                     break;
                 }
             }

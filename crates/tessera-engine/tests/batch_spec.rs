@@ -157,3 +157,131 @@ fn speculation_is_set_before_requests_and_checked() {
         .to_string();
     assert!(err.contains("before the first request"), "{err}");
 }
+
+/// What a request got: its tokens, their log-probabilities (where asked) and how many
+/// prompt tokens a stored prefix gave.
+#[derive(Default)]
+struct Got {
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    cached: usize,
+}
+
+/// Runs `requests` to the end through `batch`.
+fn run_all(batch: &mut Batch, requests: Vec<GenerationRequest>) -> Vec<Got> {
+    let ids: Vec<u64> = requests
+        .into_iter()
+        .map(|r| batch.add(r).unwrap())
+        .collect();
+    let mut out: HashMap<u64, Got> = HashMap::new();
+    while !batch.is_idle() {
+        for event in batch.step().unwrap() {
+            match event {
+                Event::Token {
+                    id,
+                    token,
+                    logprobs,
+                } => {
+                    let got = out.entry(id).or_default();
+                    got.tokens.push(token);
+                    got.logprobs.extend(logprobs.map(|l| l.logprob));
+                }
+                Event::Finished {
+                    id, cached_tokens, ..
+                } => out.entry(id).or_default().cached = cached_tokens,
+            }
+        }
+    }
+    ids.iter()
+        .map(|id| out.remove(id).unwrap_or_default())
+        .collect()
+}
+
+#[test]
+fn a_stop_token_inside_accepted_drafts_leaves_a_reusable_row() {
+    // A row that stops on a token inside its accepted drafts keeps only what it emitted,
+    // so the prefix store's copy of it serves the next request like a cold prefill.
+    let (model, tok) = common::load_f32_weights();
+    let prompt = copy_prompts(&tok).swap_remove(3);
+    let scheme = KvScheme::parse("bf16").unwrap();
+    let spec = BatchSpec {
+        ngram: 3,
+        max_draft: DRAFT,
+    };
+    let request = |prompt: Vec<u32>, stop_tokens: Vec<u32>| GenerationRequest {
+        prompt,
+        max_tokens: 24,
+        sampler: SamplerConfig::default(),
+        stop_tokens,
+        logprobs: Some(0),
+    };
+    let limits = BatchLimits::default();
+    let speculating = || {
+        Batch::new(&model, &scheme, 64, limits)
+            .unwrap()
+            .with_speculation(spec)
+            .unwrap()
+    };
+    // The model's own continuation, then the prompt again: the next continuation copies
+    // the first, so its drafts hold.
+    let first_reply = run_all(&mut speculating(), vec![request(prompt.clone(), vec![])]);
+    let prompt: Vec<u32> = [&prompt[..], &first_reply[0].tokens, &prompt[1..]].concat();
+    // The tokens each step emitted: a step that emits several is one round, all but its
+    // last token accepted drafts.
+    let mut batch = speculating();
+    batch.add(request(prompt.clone(), vec![])).unwrap();
+    let mut steps: Vec<Vec<u32>> = Vec::new();
+    while !batch.is_idle() {
+        let tokens: Vec<u32> = batch
+            .step()
+            .unwrap()
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Token { token, .. } => Some(token),
+                _ => None,
+            })
+            .collect();
+        steps.push(tokens);
+    }
+    let free: Vec<u32> = steps.concat();
+    println!(
+        "{:?} {}",
+        tok.decode(&free).unwrap(),
+        batch.spec_stats().summary()
+    );
+    // The stop: an accepted draft followed by another in its round, and its first
+    // occurrence in the output, so the row stops with drafts after it already appended.
+    let mut at = 0;
+    let mut first = None;
+    for s in &steps {
+        for j in 0..s.len().saturating_sub(2) {
+            // (Not the first token: the step that reads the prompt's last chunk samples it
+            // and then runs the first round.)
+            if first.is_none() && at + j > 0 && !free[..at + j].contains(&s[j]) {
+                first = Some(at + j);
+            }
+        }
+        at += s.len();
+    }
+    let first = first.expect("a round kept at least two drafts");
+    let stop = free[first];
+    let mut batch = speculating().with_prefix_cache(1 << 30);
+    let got = run_all(&mut batch, vec![request(prompt.clone(), vec![stop])]);
+    assert_eq!(got[0].tokens, free[..first].to_vec());
+    // The next turn extends the stopped one: reused from the store, the same tokens as cold.
+    let next: Vec<u32> = [&prompt[..], &free[..first], &[stop], &prompt[1..30]].concat();
+    let warm = run_all(&mut batch, vec![request(next.clone(), vec![])]);
+    let cold = run_all(&mut speculating(), vec![request(next, vec![])]);
+    assert!(
+        warm[0].cached > prompt.len(),
+        "reused {} tokens",
+        warm[0].cached
+    );
+    assert_eq!(warm[0].tokens, cold[0].tokens);
+    // Every token's log-probability as cold (a row holding positions past what it emitted
+    // would shift them).
+    for (w, c) in warm[0].logprobs.iter().zip(&cold[0].logprobs) {
+        assert!((w - c).abs() < 1e-3, "warm {w} against cold {c}");
+    }
+    assert_eq!(warm[0].logprobs.len(), 24);
+}
