@@ -483,7 +483,7 @@ fn run(cli: Cli) -> Result<()> {
             spec,
             json,
             ..
-        } if spec.slack() > 0 => spec::bench(
+        } if spec.is_set() => spec::bench(
             &model,
             &kv,
             &spec,

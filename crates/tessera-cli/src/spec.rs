@@ -72,9 +72,14 @@ impl SpecArgs {
         Ok(Some(SpecChoice::Ngram(NgramDrafter { n })))
     }
 
+    /// Whether a drafter is asked for (the flags are checked by [`SpecArgs::choice`]).
+    pub fn is_set(&self) -> bool {
+        self.spec.is_some() || self.draft_model.is_some()
+    }
+
     /// Round slack the target's cache needs (0 without speculation).
     pub fn slack(&self) -> usize {
-        if self.spec.is_some() || self.draft_model.is_some() {
+        if self.is_set() {
             self.draft_tokens
         } else {
             0
