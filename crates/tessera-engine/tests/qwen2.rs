@@ -18,7 +18,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_qwen2::ModelWeights;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tessera_engine::{argmax, Generation, SamplerConfig, Session};
 use tessera_kv::KvScheme;
 use tessera_models::synth::{parse_dtype, preset, write_model};
@@ -35,19 +35,6 @@ const SYNTH_TOLERANCE: f32 = 1e-6;
 /// The same on Qwen2.5-Coder-0.5B in f32, over both prompts' 16 steps: about twice the
 /// measured worst, 9.2e-7 (f32 summation order and candle's f32 RoPE tables).
 const REAL_TOLERANCE: f32 = 2e-6;
-
-/// The Qwen 2.5 model in the store; `tessera model fetch qwen2.5-coder-0.5b-instruct` puts it
-/// there.
-fn qwen2_model_path() -> PathBuf {
-    let path = tessera_engine::store::tessera_home()
-        .join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert!(
-        path.exists(),
-        "model {} is missing: run `tessera model fetch qwen2.5-coder-0.5b-instruct`",
-        path.display()
-    );
-    path
-}
 
 fn write_gguf(path: &Path, metadata: &[(&str, &gguf_file::Value)], tensors: &[(&str, &QTensor)]) {
     let mut w = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
@@ -237,7 +224,7 @@ fn candle_qwen2_f32(path: &Path) -> ModelWeights {
 
 #[test]
 fn qwen2_5_coder_f32_matches_candle_quantized_qwen2() {
-    let path = qwen2_model_path();
+    let path = common::qwen_path();
     let (model, tok) = Model::load(
         &path,
         &LoadOptions {
@@ -300,7 +287,7 @@ fn qwen2_5_coder_f32_matches_candle_quantized_qwen2() {
 #[test]
 fn qwen2_5_coder_shipped_weights_write_code() {
     let (model, tok) =
-        Model::load(&qwen2_model_path(), &LoadOptions::default(), &Device::Cpu).unwrap();
+        Model::load(&common::qwen_path(), &LoadOptions::default(), &Device::Cpu).unwrap();
     let prompt =
         "def is_prime(n: int) -> bool:\n    \"\"\"Return True if n is a prime number.\"\"\"\n";
     let ids = tok.encode(prompt, true).unwrap();

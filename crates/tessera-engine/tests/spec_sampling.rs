@@ -198,17 +198,23 @@ fn spread_temperature(model: &Model, prompt: &[u32]) -> f32 {
     ((l[0] - l[TOP_K - 1]) / 2.0).max(1e-3)
 }
 
+/// The prompt (20 tokens, a motif repeated, which prompt lookup finds; past the
+/// 16-position window) and the sampler every run uses on `target`.
+fn prompt_and_config(target: &Model) -> (Vec<u32>, SamplerConfig) {
+    let prompt: Vec<u32> = (0..20).map(|i| 300 + (i % 5) * 7).collect();
+    let config = SamplerConfig {
+        temperature: spread_temperature(target, &prompt),
+        top_k: Some(TOP_K),
+        ..Default::default()
+    };
+    (prompt, config)
+}
+
 #[test]
 fn speculative_sampling_draws_from_the_target_distribution() {
     let (target, _t) = synthetic(3, "spec-target");
     let (small, _d) = synthetic(4, "spec-drafter");
-    // 20 tokens, a motif repeated (prompt lookup finds it), past the 16-position window.
-    let prompt: Vec<u32> = (0..20).map(|i| 300 + (i % 5) * 7).collect();
-    let config = SamplerConfig {
-        temperature: spread_temperature(&target, &prompt),
-        top_k: Some(TOP_K),
-        ..Default::default()
-    };
+    let (prompt, config) = prompt_and_config(&target);
     let scheme = KvScheme::parse("bf16").unwrap();
     check(
         &target,
@@ -255,12 +261,7 @@ fn speculative_sampling_draws_from_the_target_distribution() {
 fn speculative_sampling_in_a_batch_draws_from_the_target_distribution() {
     // Sixteen rows at a time, each its own seed, each accepting its own count per round.
     let (target, _t) = synthetic(3, "spec-batch-target");
-    let prompt: Vec<u32> = (0..20).map(|i| 300 + (i % 5) * 7).collect();
-    let config = SamplerConfig {
-        temperature: spread_temperature(&target, &prompt),
-        top_k: Some(TOP_K),
-        ..Default::default()
-    };
+    let (prompt, config) = prompt_and_config(&target);
     let scheme = KvScheme::parse("bf16").unwrap();
     let limits = BatchLimits {
         max_batch: 16,

@@ -441,15 +441,20 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
         spec,
     } = parts;
     let dir = prompt_cache_dir.as_deref();
-    let mut batch = match new_batch(
-        &model,
-        &scheme,
-        prefill_chunk,
-        limits,
-        prefix_cache,
-        dir,
-        spec,
-    ) {
+    // The first batch, and each one after an engine failure (rows kept in memory are gone;
+    // those on disk are indexed again).
+    let fresh_batch = || {
+        new_batch(
+            &model,
+            &scheme,
+            prefill_chunk,
+            limits,
+            prefix_cache,
+            dir,
+            spec,
+        )
+    };
+    let mut batch = match fresh_batch() {
         Ok(b) => b,
         Err(e) => {
             // Validated before the server starts; answer every request with the reason.
@@ -628,15 +633,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                 }
                 base.absorb(&batch);
                 // The rows kept in memory are gone; those on disk are indexed again.
-                match new_batch(
-                    &model,
-                    &scheme,
-                    prefill_chunk,
-                    limits,
-                    prefix_cache,
-                    dir,
-                    spec,
-                ) {
+                match fresh_batch() {
                     Ok(b) => batch = b,
                     Err(_) => return,
                 }
