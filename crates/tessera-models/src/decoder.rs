@@ -733,9 +733,10 @@ impl Decoder {
             "output.weight"
         };
         let output = matrix(g, output_name.into(), c.vocab, c.hidden)?;
-        let embed = match (&output, tied) {
-            (Linear::Q8(_), true) => None,
-            _ => Some(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?),
+        let embed = if tied && output.row(0).is_some() {
+            None
+        } else {
+            Some(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?)
         };
         // Llama 3.1+ files carry RoPE frequency factors (one per rotated pair).
         let factors = if g.has_tensor("rope_freqs.weight") {
@@ -784,16 +785,20 @@ impl Decoder {
         }
         let x = match (&self.embed, &self.output) {
             (Some(table), _) => table.embedding(tokens)?, // (b, n, hidden)
-            (None, Linear::Q8(m)) => {
-                let rows: Vec<f32> = ids.iter().flat_map(|&id| m.row(id as usize)).collect();
+            (None, output) => {
+                let mut rows = Vec::with_capacity(ids.len() * self.config.hidden);
+                for &id in &ids {
+                    let Some(row) = output.row(id as usize) else {
+                        return Err(candle_core::Error::Msg(
+                            "no embedding table: kept unless the output matrix serves lookups"
+                                .into(),
+                        )
+                        .into());
+                    };
+                    rows.extend(row);
+                }
                 let (b, n) = tokens.dims2()?;
                 Tensor::from_vec(rows, (b, n, self.config.hidden), &self.device)?
-            }
-            (None, Linear::Candle(_)) => {
-                return Err(candle_core::Error::Msg(
-                    "no embedding table: kept unless the Q8 output serves lookups".into(),
-                )
-                .into())
             }
         };
         if !self.config.arch.embed_scale() {

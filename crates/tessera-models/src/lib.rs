@@ -10,6 +10,7 @@ mod activation;
 pub mod decoder;
 mod error;
 pub mod gguf;
+pub mod kquant;
 pub mod q8;
 mod q8_amx;
 pub mod synth;

@@ -11,6 +11,7 @@
 //! |w| · (a with w's sign), the same trick as ggml's AVX2 path. At [`Isa::Amx`], 16 or
 //! more activation rows go to AMX int8 tiles instead ([`crate::q8_amx`]).
 
+use crate::kquant::KMatrix;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Result, Tensor};
 use tessera_kv::Isa;
@@ -578,6 +579,8 @@ impl Q8Matrix {
 /// [`Q8Matrix`]), candle's matmul otherwise.
 pub enum Linear {
     Q8(Q8Matrix),
+    /// Q4_K / Q6_K at [`Isa::Avx2`] and above ([`KMatrix`]).
+    K(KMatrix),
     Candle(candle_core::quantized::QMatMul),
 }
 
@@ -593,12 +596,26 @@ impl Linear {
         if let Some(m) = Q8Matrix::from_qtensor(&t, isa)? {
             return Ok(Linear::Q8(m));
         }
+        if KMatrix::takes(&t, isa) {
+            return KMatrix::new(t, isa).map(Linear::K);
+        }
         candle_core::quantized::QMatMul::from_qtensor(t).map(Linear::Candle)
+    }
+
+    /// Row `j` of the weights dequantized (an embedding lookup on a tied matrix), where
+    /// this matrix keeps its rows in our own layout.
+    pub fn row(&self, j: usize) -> Option<Vec<f32>> {
+        match self {
+            Linear::Q8(m) => Some(m.row(j)),
+            Linear::K(m) => Some(m.row(j)),
+            Linear::Candle(_) => None,
+        }
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Q8(m) => m.forward(x),
+            Linear::K(m) => m.forward(x),
             Linear::Candle(candle_core::quantized::QMatMul::Tensor(_))
                 if x.device().is_cpu() && x.rank() == 3 && x.dim(0)? > 1 && x.dim(1)? == 1 =>
             {
@@ -670,8 +687,26 @@ impl Projections {
     pub fn new(parts: Vec<Linear>) -> Result<Self> {
         let q8_width = |p: &Linear| match p {
             Linear::Q8(m) => Some(m.k),
-            Linear::Candle(_) => None,
+            _ => None,
         };
+        let k_width = |p: &Linear| match p {
+            Linear::K(m) => Some(m.in_features()),
+            _ => None,
+        };
+        let first_k = parts.first().and_then(k_width);
+        if first_k.is_some() && parts.iter().all(|p| k_width(p) == first_k) {
+            let mut mats = Vec::with_capacity(parts.len());
+            for p in parts {
+                if let Linear::K(m) = p {
+                    mats.push(m);
+                }
+            }
+            let widths = mats.iter().map(|m| m.out_features()).collect();
+            return Ok(Projections::Stacked {
+                matrix: Linear::K(KMatrix::stack(mats)?),
+                widths,
+            });
+        }
         let first = parts.first().and_then(q8_width);
         if first.is_some() && parts.iter().all(|p| q8_width(p) == first) {
             let mut mats = Vec::with_capacity(parts.len());
