@@ -45,8 +45,9 @@ pub struct LoadOptions {
     /// The MLP activation; only conformance tests change it.
     pub mlp_activation: MlpActivation,
     /// The vector instruction level of the CPU kernels (capped to what this CPU runs): the
-    /// Q8_0 matmul of [`q8::Q8Matrix`] at [`Isa::Avx512Vnni`], candle's quantized matmul
-    /// below it; gelu's AVX2 + FMA loop from [`Isa::Avx2`].
+    /// Q8_0 matmul of [`q8::Q8Matrix`] and the Q4_K / Q6_K one of [`kquant::KMatrix`] from
+    /// [`Isa::Avx2`] (wider paths at [`Isa::Avx512Vnni`]), candle's quantized matmul below
+    /// it; gelu's AVX2 + FMA loop from [`Isa::Avx2`].
     pub isa: Isa,
 }
 

@@ -1,5 +1,6 @@
-//! A Q8_0 weight matmul for x86-64 CPUs with AVX-512 VNNI, used for every Q8_0 matrix (and
-//! every Q5_0 matrix after its lossless re-encoding to Q8_0).
+//! A Q8_0 weight matmul for x86-64 CPUs from AVX2 up (AVX-512 VNNI and AMX where the CPU
+//! has them), used for every Q8_0 matrix (and every Q5_0 matrix after its lossless
+//! re-encoding to Q8_0).
 //!
 //! Why our own: candle 0.11 multiplies Q8_0 matrices whose width is not a multiple of 256
 //! (all of Gemma 3 270M's: k = 640) with one scalar-scheduled AVX2 dot product per
@@ -7,8 +8,9 @@
 //! repacked once at load into int8 codes plus f32 block scales, activations are quantized to
 //! Q8_0 as llama.cpp does (per 32-element block, scale = max|x| / 127, round half away from
 //! zero), and a 4 × 4 register tile of (activation row, weight row) pairs shares every load.
-//! `vpdpbusd` multiplies unsigned by signed bytes, so each product a·w is formed as
-//! |w| · (a with w's sign), the same trick as ggml's AVX2 path. At [`Isa::Amx`], 16 or
+//! `vpdpbusd` (at AVX2: `maddubs` then `madd`) multiplies unsigned by signed bytes, so each
+//! product a·w is formed as |w| · (a with w's sign), the same trick as ggml's AVX2 path.
+//! At AVX-512 VNNI, several rows run two blocks at a time in 512-bit registers. At [`Isa::Amx`], 16 or
 //! more activation rows go to AMX int8 tiles instead ([`crate::q8_amx`]).
 
 use crate::kquant::KMatrix;
@@ -23,8 +25,8 @@ const BLOCK: usize = 32;
 const Q8_0_BYTES: usize = 34;
 
 /// A Q8_0 matrix `(n, k)` repacked for [`Q8Matrix::matmul`]. One exists only where the
-/// CPU runs the kernel ([`Q8Matrix::from_qtensor`] returns `None` below
-/// [`Isa::Avx512Vnni`]), so its matmul needs no check of its own.
+/// CPU runs the kernels ([`Q8Matrix::from_qtensor`] returns `None` below [`Isa::Avx2`]),
+/// so its matmul needs no check of its own.
 pub struct Q8Matrix {
     n: usize,
     k: usize,
@@ -35,6 +37,9 @@ pub struct Q8Matrix {
     d: Vec<u16>,
     /// Created at [`Isa::Amx`] (capped): [`Q8Matrix::uses_amx`].
     amx: bool,
+    /// Created at [`Isa::Avx512Vnni`] or above (capped): the VNNI and 512-bit kernels;
+    /// the AVX2 ones otherwise.
+    vnni: bool,
     /// At [`Isa::Amx`], the scales of the whole 16-row tiles again in the order the AMX
     /// kernel reads them (see [`crate::q8_amx::tile_scales`]; 6% more bytes than the
     /// codes alone); empty otherwise.
@@ -82,9 +87,9 @@ const AMX_MIN_ROWS: usize = 16;
 
 impl Q8Matrix {
     /// Repacks a 2-D Q8_0 tensor; `None` for any other type, and at any level below
-    /// [`Isa::Avx512Vnni`] (`isa` capped to what this CPU runs).
+    /// [`Isa::Avx2`] (`isa` capped to what this CPU runs).
     pub fn from_qtensor(t: &QTensor, isa: Isa) -> Result<Option<Self>> {
-        if t.dtype() != GgmlDType::Q8_0 || !isa.capped().vnni() || !t.device().is_cpu() {
+        if t.dtype() != GgmlDType::Q8_0 || !isa.capped().avx2() || !t.device().is_cpu() {
             return Ok(None);
         }
         let (n, k) = t.shape().dims2()?;
@@ -102,10 +107,11 @@ impl Q8Matrix {
             }
             d[b] = scale;
         }
-        Ok(Some(Q8Matrix::new(n, k, qs, d, isa.capped().amx())))
+        Ok(Some(Q8Matrix::new(n, k, qs, d, isa.capped())))
     }
 
-    fn new(n: usize, k: usize, qs: Codes, d: Vec<u16>, amx: bool) -> Self {
+    fn new(n: usize, k: usize, qs: Codes, d: Vec<u16>, isa: Isa) -> Self {
+        let (amx, vnni) = (isa.amx(), isa.vnni());
         #[cfg(target_arch = "x86_64")]
         let tile_d = if amx {
             crate::q8_amx::tile_scales(&d, n, k / BLOCK)
@@ -120,6 +126,7 @@ impl Q8Matrix {
             qs,
             d,
             amx,
+            vnni,
             tile_d,
         }
     }
@@ -192,7 +199,7 @@ impl Q8Matrix {
             self.n,
             self.k
         );
-        let acts = QuantizedActs::new(x, m, self.k, self.uses_amx(m));
+        let acts = QuantizedActs::new(x, m, self.k, self.uses_amx(m), self.vnni);
         #[cfg(target_arch = "x86_64")]
         if let Some(tiles) = &acts.tiles {
             self.matmul_amx(&acts, tiles, out);
@@ -256,7 +263,11 @@ impl Q8Matrix {
         if acts.m == 1 {
             // One activation row: weight rows one after another, a single stream per thread.
             for j in j0..j0 + nr {
-                *out.add(j) = row_dot(self, acts, j);
+                *out.add(j) = if self.vnni {
+                    row_dot(self, acts, j)
+                } else {
+                    row_dot_avx2(self, acts, j)
+                };
             }
             return;
         }
@@ -265,7 +276,14 @@ impl Q8Matrix {
             let mr = (acts.m - i).min(4);
             let mut result = [[0f32; 4]; 4];
             #[cfg(target_arch = "x86_64")]
-            if acts.d2.is_empty() {
+            if !self.vnni {
+                match mr {
+                    4 => kernel_avx2::<4>(self, acts, i, j0, nr, &mut result),
+                    3 => kernel_avx2::<3>(self, acts, i, j0, nr, &mut result),
+                    2 => kernel_avx2::<2>(self, acts, i, j0, nr, &mut result),
+                    _ => kernel_avx2::<1>(self, acts, i, j0, nr, &mut result),
+                }
+            } else if acts.d2.is_empty() {
                 match mr {
                     4 => kernel::<4>(self, acts, i, j0, nr, &mut result),
                     3 => kernel::<3>(self, acts, i, j0, nr, &mut result),
@@ -325,7 +343,8 @@ struct QuantizedActs {
 impl QuantizedActs {
     /// `amx`: also repack the rows as AMX B tiles ([`Q8Matrix::uses_amx`]), in the same
     /// parallel pass (one 16-row chunk is one tile).
-    fn new(x: &[f32], m: usize, k: usize, amx: bool) -> Self {
+    /// `wide`: also the scales in the order of the 512-bit kernel (AVX-512 VNNI).
+    fn new(x: &[f32], m: usize, k: usize, amx: bool, wide: bool) -> Self {
         let kb = k / BLOCK;
         let mut q = vec![0i8; m * k];
         let mut d = vec![0f32; m * kb];
@@ -381,7 +400,7 @@ impl QuantizedActs {
                 }
             }
         });
-        let d2 = if m > 1 && kb.is_multiple_of(2) {
+        let d2 = if wide && m > 1 && kb.is_multiple_of(2) {
             d.chunks_exact(2)
                 .flat_map(|p| [p[0]; 8].into_iter().chain([p[1]; 8]))
                 .collect()
@@ -399,11 +418,56 @@ impl QuantizedActs {
     }
 }
 
-// (Indexes acc[r] and the operands of row r alike: clearer as ranges.)
-#[allow(clippy::needless_range_loop)]
+/// The byte dot products of one 32-byte block, 4 to an i32 lane: `vpdpbusd` at AVX-512 VNNI,
+/// `maddubs` (|w| · ±a, at most 127 · 127 · 2: no saturation) then `madd` by ones at AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block_dot<const VNNI: bool>(
+    wabs: std::arch::x86_64::__m256i,
+    signed: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    if VNNI {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, signed)
+    } else {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, signed), _mm256_set1_epi16(1))
+    }
+}
+
+/// [`kernel_body`] at AVX-512 VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn kernel<const MR: usize>(
+    w: &Q8Matrix,
+    a: &QuantizedActs,
+    i0: usize,
+    j0: usize,
+    nr: usize,
+    result: &mut [[f32; 4]; 4],
+) {
+    kernel_body::<true, MR>(w, a, i0, j0, nr, result)
+}
+
+/// [`kernel_body`] at AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kernel_avx2<const MR: usize>(
+    w: &Q8Matrix,
+    a: &QuantizedActs,
+    i0: usize,
+    j0: usize,
+    nr: usize,
+    result: &mut [[f32; 4]; 4],
+) {
+    kernel_body::<false, MR>(w, a, i0, j0, nr, result)
+}
+
+/// MR activation rows against 4 weight rows, one 32-byte block at a time.
+// (Indexes acc[r] and the operands of row r alike: clearer as ranges.)
+#[allow(clippy::needless_range_loop)]
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn kernel_body<const VNNI: bool, const MR: usize>(
     w: &Q8Matrix,
     a: &QuantizedActs,
     i0: usize,
@@ -433,7 +497,7 @@ unsafe fn kernel<const MR: usize>(
             let da = _mm256_set1_ps(*a.d.get_unchecked((i0 + r) * kb + b));
             for c in 0..4 {
                 let signed = _mm256_sign_epi8(av, wv[c]);
-                let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs[c], signed);
+                let dot = block_dot::<VNNI>(wabs[c], signed);
                 acc[r][c] =
                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(da, dw[c]), acc[r][c]);
             }
@@ -512,10 +576,24 @@ unsafe fn f16_bits_to_f32(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
-/// One weight row against the single activation row (decode).
+/// [`row_dot_body`] at AVX-512 VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn row_dot(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
+    row_dot_body::<true>(w, a, j)
+}
+
+/// [`row_dot_body`] at AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row_dot_avx2(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
+    row_dot_body::<false>(w, a, j)
+}
+
+/// One weight row against the single activation row (decode).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_dot_body<const VNNI: bool>(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
     use std::arch::x86_64::*;
     let k = w.k;
     let kb = k / BLOCK;
@@ -525,11 +603,7 @@ unsafe fn row_dot(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
     for b in 0..kb {
         let wv = _mm256_loadu_si256(wq.add(b * BLOCK) as *const __m256i);
         let av = _mm256_loadu_si256(a.q.as_ptr().add(b * BLOCK) as *const __m256i);
-        let dot = _mm256_dpbusd_epi32(
-            _mm256_setzero_si256(),
-            _mm256_sign_epi8(wv, wv),
-            _mm256_sign_epi8(av, wv),
-        );
+        let dot = block_dot::<VNNI>(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
         let scale = _mm256_set1_ps(f16_bits_to_f32(*wd.add(b)) * *a.d.get_unchecked(b));
         acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[b & 1]);
     }
@@ -551,7 +625,8 @@ impl Q8Matrix {
             candle_core::bail!("Q8Matrix::stack: widths {k} and {} differ", p.k);
         }
         let n = parts.iter().map(|p| p.n).sum();
-        let amx = parts.iter().all(|p| p.amx);
+        let parts_amx = parts.iter().all(|p| p.amx);
+        let parts_vnni = parts.iter().all(|p| p.vnni);
         let mut qs = Codes::zeroed(n * k);
         let mut d = Vec::with_capacity(n * k / BLOCK);
         let mut at = 0;
@@ -560,7 +635,12 @@ impl Q8Matrix {
             at += p.qs.len();
             d.extend_from_slice(&p.d);
         }
-        Ok(Q8Matrix::new(n, k, qs, d, amx))
+        let isa = match (parts_amx, parts_vnni) {
+            (true, _) => Isa::Amx,
+            (false, true) => Isa::Avx512Vnni,
+            _ => Isa::Avx2,
+        };
+        Ok(Q8Matrix::new(n, k, qs, d, isa))
     }
 
     /// Row `j` dequantized: an embedding lookup on a tied matrix.
@@ -575,8 +655,8 @@ impl Q8Matrix {
     }
 }
 
-/// A weight matrix: repacked Q8_0 at [`Isa::Avx512Vnni`] (where this CPU runs
-/// [`Q8Matrix`]), candle's matmul otherwise.
+/// A weight matrix: repacked Q8_0 ([`Q8Matrix`]) and Q4_K / Q6_K read in place
+/// ([`KMatrix`]) from [`Isa::Avx2`] (where this CPU runs them), candle's matmul otherwise.
 pub enum Linear {
     Q8(Q8Matrix),
     /// Q4_K / Q6_K at [`Isa::Avx2`] and above ([`KMatrix`]).
@@ -586,7 +666,7 @@ pub enum Linear {
 
 impl Linear {
     /// `dequantize` forces f32 weights (reference tests); `isa` (capped to what this CPU
-    /// runs) picks the Q8_0 kernel at [`Isa::Avx512Vnni`], candle's matmul below it.
+    /// runs) picks our kernels from [`Isa::Avx2`], candle's matmul below it.
     pub fn new(t: QTensor, dequantize: bool, isa: Isa) -> Result<Self> {
         if dequantize {
             return Ok(Linear::Candle(candle_core::quantized::QMatMul::Tensor(
@@ -846,7 +926,7 @@ mod tests {
         (codes, scales)
     }
 
-    /// Every level this CPU runs dispatches as stated (the Q8_0 kernel at AVX-512 VNNI,
+    /// Every level this CPU runs dispatches as stated (the Q8_0 kernels from AVX2,
     /// candle's matmul below it) and, at every level, `Linear::forward` on decode rows and
     /// prefill tiles (shapes not multiples of the 4 × 4 tile, nor of the 16-row
     /// quantization chunk; odd block counts take the 256-bit tile, even ones the 512-bit)
@@ -890,7 +970,7 @@ mod tests {
                     x[40] = 30.0;
                 }
                 let lin = Linear::new(qt, false, isa).unwrap();
-                let q8 = isa.vnni();
+                let q8 = isa.avx2();
                 assert_eq!(matches!(lin, Linear::Q8(_)), q8, "{isa}: dispatch");
                 let xt = Tensor::from_vec(x.clone(), (1, m, k), &dev).unwrap();
                 let out = lin.forward(&xt).unwrap();
@@ -941,7 +1021,7 @@ mod tests {
 
     /// Parts of one type and width stack into one matmul whose split output equals the
     /// separate matmuls' bit for bit, at every level (Q8_0 parts: the repacked kernel at
-    /// AVX-512 VNNI, candle below); mixed types stay separate; no parts is no stack.
+    /// AVX2, candle below); mixed types stay separate; no parts is no stack.
     #[test]
     fn projections_stack_exactly_at_every_level() {
         let dev = Device::Cpu;
@@ -968,7 +1048,7 @@ mod tests {
                     let Projections::Stacked { matrix, .. } = &stacked else {
                         panic!("{isa} {dtype:?}: not stacked");
                     };
-                    let q8 = isa.vnni() && dtype == GgmlDType::Q8_0;
+                    let q8 = isa.avx2() && dtype == GgmlDType::Q8_0;
                     assert_eq!(matches!(matrix, Linear::Q8(_)), q8, "{isa} {dtype:?}");
                     let outs = stacked.forward(&x).unwrap();
                     assert_eq!(outs.len(), 3);
@@ -1035,8 +1115,8 @@ mod tests {
     /// integer block dots, times both scales) and the VNNI kernel, both within 1e-5 of
     /// Σ |d_w d_a q_w q_a| (the VNNI kernel's partial sums per lane can cancel, so the
     /// block terms' magnitudes alone do not bound it). The AMX path runs exactly where AMX
-    /// is detected, and never capped to AVX-512 VNNI; where the CPU has no AVX-512 VNNI
-    /// there is no Q8Matrix to test.
+    /// is detected, and never capped to AVX-512 VNNI; where the CPU has no AVX2 there is no
+    /// Q8Matrix to test.
     #[test]
     fn amx_matmul_matches_reference_and_vnni() {
         let top = Isa::detected();
@@ -1044,8 +1124,8 @@ mod tests {
             for (ni, &n) in [16, 40, 640, 2048].iter().enumerate() {
                 let seed = 1000 * si as u64 + 100 * ni as u64;
                 let Some(w) = random_q8(n, k, seed, top) else {
-                    // Only where the CPU has no AVX-512 VNNI, so no Q8Matrix at all.
-                    assert!(!top.vnni(), "{top}: no Q8Matrix");
+                    // Only where the CPU has no AVX2, so no Q8Matrix at all.
+                    assert!(!top.avx2(), "{top}: no Q8Matrix");
                     continue;
                 };
                 let vnni = random_q8(n, k, seed, Isa::Avx512Vnni).unwrap();
