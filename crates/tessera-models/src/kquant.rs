@@ -119,23 +119,6 @@ fn q4k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
     }
 }
 
-/// [`q4k_scale_min`] for all eight sub-blocks at once, on 32-bit words: the scales and
-/// the minima, a byte each.
-#[inline(always)]
-fn q4k_unpack(s: &[u8; 12]) -> (u64, u64) {
-    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
-    let (w0, w1, w2) = (w(0), w(1), w(2));
-    let low6 = 0x3f3f_3f3f;
-    let top2 = 0x0303_0303;
-    let nib = 0x0f0f_0f0f;
-    let scales_hi = (w2 & nib) | (((w0 >> 6) & top2) << 4);
-    let mins_hi = ((w2 >> 4) & nib) | (((w1 >> 6) & top2) << 4);
-    (
-        (w0 & low6) as u64 | (scales_hi as u64) << 32,
-        (w1 & low6) as u64 | (mins_hi as u64) << 32,
-    )
-}
-
 impl KMatrix {
     /// Whether [`KMatrix::new`] takes `t`: a 2-D Q4_K or Q6_K tensor on the CPU, of a
     /// width that is a multiple of 256, at [`Isa::Avx2`] or above (`isa` capped to what
@@ -597,7 +580,7 @@ impl Tile<'_> {
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{q4k_unpack, Acts, Q4Block, Q6Block, QK};
+    use super::{Acts, Q4Block, Q6Block, QK};
     use std::arch::x86_64::*;
 
     /// How far ahead each weight row's stream is prefetched into L2. The hardware
@@ -671,7 +654,10 @@ mod x86 {
         let kb = w[0].len();
         let k = a.k;
         let mask = _mm256_set1_epi8(0x0F);
-        let picks: [__m256i; 8] = std::array::from_fn(|s| pick16(s as i16, s as i16));
+        let mut picks = [_mm256_setzero_si256(); 8];
+        for (s, pick) in picks.iter_mut().enumerate() {
+            *pick = pick16(s as i16, s as i16);
+        }
         let mut accf = [[_mm256_setzero_ps(); NR]; MR];
         let mut accm = [[_mm_setzero_ps(); NR]; MR];
         for b in 0..kb {
@@ -679,11 +665,21 @@ mod x86 {
             for c in 0..NR {
                 prefetch(&w[c][b] as *const Q4Block as *const i8, b, kb, 148, NR);
             }
-            let unpacked: [(u64, u64); NR] = std::array::from_fn(|c| q4k_unpack(&w[c][b].packed));
-            let scales: [__m256i; NR] = std::array::from_fn(|c| {
-                let s = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(unpacked[c].0 as i64));
-                _mm256_set_m128i(s, s)
-            });
+            // Scales then minima, a byte each, for every weight row (in pairs). Plain loops:
+            // a closure here would be compiled apart, without this function's AVX2.
+            let mut unpacked = [_mm_setzero_si128(); NR];
+            let mut scales = [_mm256_setzero_si256(); NR];
+            for c in (0..NR).step_by(2) {
+                let pair = q4k_unpack2(&w[c][b], &w[(c + 1).min(NR - 1)][b]);
+                unpacked[c] = _mm256_castsi256_si128(pair);
+                if c + 1 < NR {
+                    unpacked[c + 1] = _mm256_extracti128_si256::<1>(pair);
+                }
+            }
+            for c in 0..NR {
+                let s = _mm_cvtepu8_epi16(unpacked[c]);
+                scales[c] = _mm256_set_m128i(s, s);
+            }
             for j in 0..4 {
                 let mut lo = [_mm256_setzero_si256(); NR];
                 let mut hi = [_mm256_setzero_si256(); NR];
@@ -719,7 +715,7 @@ mod x86 {
                         _mm256_set1_ps(f16(wb.d) * da),
                         accf[r][c],
                     );
-                    let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(unpacked[c].1 as i64));
+                    let mins = _mm_cvtepu8_epi16(_mm_srli_si128::<8>(unpacked[c]));
                     accm[r][c] = _mm_fmadd_ps(
                         _mm_cvtepi32_ps(_mm_madd_epi16(mins, s32)),
                         _mm_set1_ps(f16(wb.dmin) * da),
@@ -747,16 +743,22 @@ mod x86 {
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x30);
         // Vector v of a 128-element half covers sub-blocks 2v (low 16 elements) and 2v + 1.
-        let picks: [__m256i; 4] = std::array::from_fn(|v| pick16(2 * v as i16, 2 * v as i16 + 1));
+        let mut picks = [_mm256_setzero_si256(); 4];
+        for (v, pick) in picks.iter_mut().enumerate() {
+            *pick = pick16(2 * v as i16, 2 * v as i16 + 1);
+        }
         let mut accf = [[_mm256_setzero_ps(); NR]; MR];
         for b in 0..kb {
             let mut acc = [[_mm256_setzero_si256(); NR]; MR];
             for c in 0..NR {
                 prefetch(&w[c][b] as *const Q6Block as *const i8, b, kb, 210, NR);
             }
-            let scales: [__m256i; NR] = std::array::from_fn(|c| {
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(w[c][b].scales.as_ptr() as *const __m128i))
-            });
+            let mut scales = [_mm256_setzero_si256(); NR];
+            for c in 0..NR {
+                scales[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                    w[c][b].scales.as_ptr() as *const __m128i
+                ));
+            }
             for h in 0..2 {
                 let mut v = [[_mm256_setzero_si256(); 4]; NR];
                 let mut s = [[_mm256_setzero_si256(); 4]; NR];
@@ -879,17 +881,26 @@ mod x86 {
         t
     };
 
-    /// [`super::q4k_unpack`] for two blocks at once in the two 128-bit lanes: each lane
-    /// the block's eight scales then its eight minima, a byte each.
+    /// Where a Q4_K block's 12 packed scale bytes start.
+    #[inline(always)]
+    unsafe fn packed(blk: &Q4Block) -> *const __m128i {
+        (blk as *const Q4Block as *const u8).add(4) as *const __m128i
+    }
+
+    /// The same 16 bytes in both 128-bit lanes.
+    #[inline(always)]
+    unsafe fn lane(t: [i8; 16]) -> __m256i {
+        let x = _mm_loadu_si128(t.as_ptr() as *const __m128i);
+        _mm256_set_m128i(x, x)
+    }
+
+    /// [`super::q4k_scale_min`] for all sub-blocks of two blocks at once, in the two
+    /// 128-bit lanes: each lane the block's eight scales then its eight minima, a byte each.
     #[inline(always)]
     unsafe fn q4k_unpack2(a: &Q4Block, b: &Q4Block) -> __m256i {
-        // 16 bytes from each: the 12 packed bytes and 4 of the codes after them.
-        let packed = |blk: &Q4Block| (blk as *const Q4Block as *const u8).add(4) as *const __m128i;
+        // 16 bytes from each: the 12 packed bytes and 4 of the codes after them. (No
+        // closures in kernels: one is compiled apart, without the caller's features.)
         let s = _mm256_set_m128i(_mm_loadu_si128(packed(b)), _mm_loadu_si128(packed(a)));
-        let lane = |t: [i8; 16]| {
-            let x = _mm_loadu_si128(t.as_ptr() as *const __m128i);
-            _mm256_set_m128i(x, x)
-        };
         // Low bits: scales 0–3 are s[0..4] & 63, 4–7 s[8..12] & 15; minima 0–3 s[4..8] & 63,
         // 4–7 s[8..12] >> 4.
         let low = _mm256_shuffle_epi8(
@@ -929,7 +940,10 @@ mod x86 {
         const NR: usize = 2;
         let kb = w[0].len();
         let mask = _mm512_set1_epi8(0x0F);
-        let lanes: [__m512i; 4] = std::array::from_fn(|v| load512(Q4_SCALE_LANES[v].as_ptr()));
+        let mut lanes = [_mm512_setzero_si512(); 4];
+        for (v, lane) in lanes.iter_mut().enumerate() {
+            *lane = load512(Q4_SCALE_LANES[v].as_ptr());
+        }
         let mut accf = [_mm512_setzero_ps(); NR];
         let mut accm = [_mm_setzero_ps(); NR];
         for b in 0..kb {
@@ -998,7 +1012,10 @@ mod x86 {
         let kb = w[0].len();
         let m4 = _mm512_set1_epi8(0x0F);
         let m2 = _mm512_set1_epi8(0x30);
-        let lanes: [__m512i; 4] = std::array::from_fn(|v| load512(Q6_SCALE_LANES[v].as_ptr()));
+        let mut lanes = [_mm512_setzero_si512(); 4];
+        for (v, lane) in lanes.iter_mut().enumerate() {
+            *lane = load512(Q6_SCALE_LANES[v].as_ptr());
+        }
         let (left, right) = (
             load512(Q6_SHIFT_LEFT.as_ptr()),
             load512(Q6_SHIFT_RIGHT.as_ptr()),
@@ -1302,7 +1319,13 @@ mod tests {
     #[ignore]
     fn kquant_matmul_speed() {
         let top = Isa::detected();
-        let shapes = [(8960, 1536), (1536, 8960), (151_936, 1536), (640, 1024), (640, 2048)];
+        let shapes = [
+            (8960, 1536),
+            (1536, 8960),
+            (151_936, 1536),
+            (640, 1024),
+            (640, 2048),
+        ];
         for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
             for (n, k) in shapes {
                 let bytes = n * k / QK * if dtype == GgmlDType::Q4K { 144 } else { 210 };
