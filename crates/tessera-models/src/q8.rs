@@ -207,13 +207,23 @@ impl Q8Matrix {
         }
         let tiles = self.n.div_ceil(4);
         let out_ptr = out as usize;
-        candle_core::utils::barrier_pool().execute_chunked(tiles, |range| {
-            for tile in range {
-                let j0 = tile * 4;
-                // SAFETY: each weight-row tile writes only its own output columns.
-                unsafe { self.tile_columns(&acts, j0, out_ptr as *mut f32) };
-            }
-        });
+        let run = |tile: usize| {
+            // SAFETY: each weight-row tile writes only its own output columns.
+            unsafe { self.tile_columns(&acts, tile * 4, out_ptr as *mut f32) };
+        };
+        let pool = candle_core::utils::barrier_pool();
+        if m == 1 {
+            // A decode step: one contiguous share of the rows per thread, each one stream
+            // that the row kernel's prefetches stay ahead of.
+            let threads = pool.n_workers() + 1;
+            pool.execute_chunked(threads, |shares| {
+                for t in shares {
+                    (t * tiles / threads..(t + 1) * tiles / threads).for_each(run);
+                }
+            });
+        } else {
+            pool.execute_chunked(tiles, |range| range.for_each(run));
+        }
     }
 
     /// [`Q8Matrix::matmul`] on AMX tiles ([`Q8Matrix::uses_amx`]): whole 16-row weight
@@ -590,6 +600,10 @@ unsafe fn row_dot_avx2(w: &Q8Matrix, a: &QuantizedActs, j: usize) -> f32 {
     row_dot_body::<false>(w, a, j)
 }
 
+/// How far ahead of its reads the row kernel prefetches the codes into L2.
+#[cfg(target_arch = "x86_64")]
+const AHEAD: usize = 4096;
+
 /// One weight row against the single activation row (decode).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -599,8 +613,14 @@ unsafe fn row_dot_body<const VNNI: bool>(w: &Q8Matrix, a: &QuantizedActs, j: usi
     let kb = k / BLOCK;
     let wq = w.qs.as_ptr().add(j * k);
     let wd = w.d.as_ptr().add(j * kb);
+    // Rows are contiguous: ask for the codes (and now and then the scales) of the rows
+    // ahead, so memory's latency overlaps this row's arithmetic.
+    _mm_prefetch::<_MM_HINT_T1>((wd as *const i8).wrapping_add(AHEAD / 16));
     let mut acc = [_mm256_setzero_ps(); 2];
     for b in 0..kb {
+        if b % 2 == 0 {
+            _mm_prefetch::<_MM_HINT_T1>((wq as *const i8).wrapping_add(b * BLOCK + AHEAD));
+        }
         let wv = _mm256_loadu_si256(wq.add(b * BLOCK) as *const __m256i);
         let av = _mm256_loadu_si256(a.q.as_ptr().add(b * BLOCK) as *const __m256i);
         let dot = block_dot::<VNNI>(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
