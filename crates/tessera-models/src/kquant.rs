@@ -14,8 +14,10 @@
 //! signed activation codes into i16 pairs (at most 63 · 128 · 2, no saturation), then
 //! `madd` (AVX-512 VNNI: `vpdpwssd`) weighs the pairs by their sub-block's scale into i32
 //! lanes; one f32 multiply-add per block applies the block and activation scales. At AVX-512
-//! VNNI a decode row runs in 512-bit registers, with the scales of two blocks unpacked by
-//! byte shuffles, and each row stream prefetched into L2 ahead of use (the hardware
+//! VNNI one or two activation rows run in 512-bit registers against two weight rows, each
+//! weight block unpacked once (two blocks' 6-bit scales at a time, by byte shuffles); at
+//! AVX2, 256-bit tiles of the same arithmetic. Each weight row stream is prefetched into L2
+//! ahead of use (the hardware
 //! prefetcher alone left the arithmetic and the wait for memory serialized: half the
 //! bandwidth). Inputs of more rows go to candle's repacked tiles, which do more work per
 //! instruction once the weights are reused across rows.
@@ -97,7 +99,8 @@ pub struct KMatrix {
     n: usize,
     k: usize,
     parts: Vec<Part>,
-    /// AVX-512 VNNI's `vpdpwssd` and wider tiles (this CPU runs them); AVX2 otherwise.
+    /// The 512-bit kernels (AVX-512 BW and VNNI: this CPU runs them); the AVX2 ones
+    /// otherwise.
     vnni: bool,
 }
 
@@ -390,8 +393,8 @@ impl Part {
                     self.q4_blocks(kb),
                     rows,
                     acts_rows,
-                    x86::q4_vnni,
-                    x86::q4_512,
+                    x86::q4_512_2,
+                    x86::q4_512_1,
                 ),
                 (true, false) => tile.each(
                     self.q4_blocks(kb),
@@ -404,8 +407,8 @@ impl Part {
                     self.q6_blocks(kb),
                     rows,
                     acts_rows,
-                    x86::q6_vnni,
-                    x86::q6_512,
+                    x86::q6_512_2,
+                    x86::q6_512_1,
                 ),
                 (false, false) => tile.each(
                     self.q6_blocks(kb),
@@ -612,12 +615,8 @@ mod x86 {
 
     /// acc + Σ pairs p · s (i16 → i32).
     #[inline(always)]
-    unsafe fn dot16<const VNNI: bool>(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
-        if VNNI {
-            _mm256_dpwssd_epi32(acc, p, s)
-        } else {
-            _mm256_add_epi32(acc, _mm256_madd_epi16(p, s))
-        }
+    unsafe fn dot16(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(p, s))
     }
 
     #[inline(always)]
@@ -645,7 +644,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn q4<const VNNI: bool, const MR: usize, const NR: usize>(
+    unsafe fn q4<const MR: usize, const NR: usize>(
         a: &Acts,
         i0: usize,
         w: [&[Q4Block]; NR],
@@ -699,8 +698,8 @@ mod x86 {
                     for c in 0..NR {
                         let p0 = _mm256_maddubs_epi16(lo[c], a0);
                         let p1 = _mm256_maddubs_epi16(hi[c], a1);
-                        acc[r][c] = dot16::<VNNI>(acc[r][c], p0, s0[c]);
-                        acc[r][c] = dot16::<VNNI>(acc[r][c], p1, s1[c]);
+                        acc[r][c] = dot16(acc[r][c], p0, s0[c]);
+                        acc[r][c] = dot16(acc[r][c], p1, s1[c]);
                     }
                 }
             }
@@ -732,7 +731,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn q6<const VNNI: bool, const MR: usize, const NR: usize>(
+    unsafe fn q6<const MR: usize, const NR: usize>(
         a: &Acts,
         i0: usize,
         w: [&[Q6Block]; NR],
@@ -799,7 +798,7 @@ mod x86 {
                         let av = _mm256_loadu_si256(aq.add(32 * q) as *const __m256i);
                         for c in 0..NR {
                             let p = _mm256_maddubs_epi16(v[c][q], av);
-                            acc[r][c] = dot16::<VNNI>(acc[r][c], p, s[c][q]);
+                            acc[r][c] = dot16(acc[r][c], p, s[c][q]);
                         }
                     }
                 }
@@ -928,14 +927,15 @@ mod x86 {
         _mm512_loadu_si512(p as *const _)
     }
 
-    /// One activation row against NR Q4_K weight rows in 512-bit registers: half the
-    /// instructions of [`q4`], for a decode step that must keep up with memory.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn q4_512(
+    /// MR activation rows against two Q4_K weight rows in 512-bit registers: half the
+    /// instructions of [`q4`], for decode steps that must keep up with memory. Each
+    /// weight block is unpacked once for all MR rows.
+    #[inline(always)]
+    unsafe fn q4_512<const MR: usize>(
         a: &Acts,
         i0: usize,
         w: [&[Q4Block]; 2],
-        result: &mut [[f32; 2]; 1],
+        result: &mut [[f32; 2]; MR],
     ) {
         const NR: usize = 2;
         let kb = w[0].len();
@@ -944,16 +944,12 @@ mod x86 {
         for (v, lane) in lanes.iter_mut().enumerate() {
             *lane = load512(Q4_SCALE_LANES[v].as_ptr());
         }
-        let mut accf = [_mm512_setzero_ps(); NR];
-        let mut accm = [_mm_setzero_ps(); NR];
+        let mut accf = [[_mm512_setzero_ps(); NR]; MR];
+        let mut accm = [[_mm_setzero_ps(); NR]; MR];
         for b in 0..kb {
             for c in 0..NR {
                 prefetch(&w[c][b] as *const Q4Block as *const i8, b, kb, 144, NR);
             }
-            let blk = i0 * kb + b;
-            let aq = a.q4.as_ptr().add(blk * QK);
-            let da = *a.d.get_unchecked(blk);
-            let s32 = _mm_loadu_si128(a.sums32.as_ptr().add(blk * 8) as *const __m128i);
             let unpacked = q4k_unpack2(&w[0][b], &w[1][b]);
             for c in 0..NR {
                 let wb = &w[c][b];
@@ -963,50 +959,56 @@ mod x86 {
                     _mm256_extracti128_si256::<1>(unpacked)
                 };
                 let scales = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(both));
-                let mut acc = [_mm512_setzero_si512(); 2];
+                let mins = _mm_cvtepu8_epi16(_mm_srli_si128::<8>(both));
+                // Codes (low and high nibbles of each 64 bytes) and their scales' lanes.
+                let mut codes = [_mm512_setzero_si512(); 4];
+                let mut weights = [_mm512_setzero_si512(); 4];
                 for g in 0..2 {
                     let q = load512(wb.qs.as_ptr().add(64 * g));
-                    let lo = _mm512_and_si512(q, mask);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), mask);
-                    let p0 = _mm512_maddubs_epi16(lo, load512(aq.add(128 * g)));
-                    let p1 = _mm512_maddubs_epi16(hi, load512(aq.add(128 * g + 64)));
-                    acc[g] = _mm512_dpwssd_epi32(
-                        acc[g],
-                        p0,
-                        _mm512_permutexvar_epi16(lanes[2 * g], scales),
+                    codes[2 * g] = _mm512_and_si512(q, mask);
+                    codes[2 * g + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(q), mask);
+                    weights[2 * g] = _mm512_permutexvar_epi16(lanes[2 * g], scales);
+                    weights[2 * g + 1] = _mm512_permutexvar_epi16(lanes[2 * g + 1], scales);
+                }
+                let (d, dmin) = (f16(wb.d), f16(wb.dmin));
+                for r in 0..MR {
+                    let blk = (i0 + r) * kb + b;
+                    let aq = a.q4.as_ptr().add(blk * QK);
+                    let mut acc = [_mm512_setzero_si512(); 2];
+                    for v in 0..4 {
+                        let p = _mm512_maddubs_epi16(codes[v], load512(aq.add(64 * v)));
+                        acc[v / 2] = _mm512_dpwssd_epi32(acc[v / 2], p, weights[v]);
+                    }
+                    let da = *a.d.get_unchecked(blk);
+                    let sum = _mm512_add_epi32(acc[0], acc[1]);
+                    accf[r][c] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(sum),
+                        _mm512_set1_ps(d * da),
+                        accf[r][c],
                     );
-                    acc[g] = _mm512_dpwssd_epi32(
-                        acc[g],
-                        p1,
-                        _mm512_permutexvar_epi16(lanes[2 * g + 1], scales),
+                    let s32 = _mm_loadu_si128(a.sums32.as_ptr().add(blk * 8) as *const __m128i);
+                    accm[r][c] = _mm_fmadd_ps(
+                        _mm_cvtepi32_ps(_mm_madd_epi16(mins, s32)),
+                        _mm_set1_ps(dmin * da),
+                        accm[r][c],
                     );
                 }
-                let sum = _mm512_add_epi32(acc[0], acc[1]);
-                accf[c] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(sum),
-                    _mm512_set1_ps(f16(wb.d) * da),
-                    accf[c],
-                );
-                let mins = _mm_cvtepu8_epi16(_mm_srli_si128::<8>(both));
-                accm[c] = _mm_fmadd_ps(
-                    _mm_cvtepi32_ps(_mm_madd_epi16(mins, s32)),
-                    _mm_set1_ps(f16(wb.dmin) * da),
-                    accm[c],
-                );
             }
         }
-        for c in 0..NR {
-            result[0][c] = _mm512_reduce_add_ps(accf[c]) - hsum128(accm[c]);
+        for r in 0..MR {
+            for c in 0..NR {
+                result[r][c] = _mm512_reduce_add_ps(accf[r][c]) - hsum128(accm[r][c]);
+            }
         }
     }
 
-    /// One activation row against NR Q6_K weight rows in 512-bit registers.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn q6_512(
+    /// MR activation rows against two Q6_K weight rows in 512-bit registers.
+    #[inline(always)]
+    unsafe fn q6_512<const MR: usize>(
         a: &Acts,
         i0: usize,
         w: [&[Q6Block]; 2],
-        result: &mut [[f32; 2]; 1],
+        result: &mut [[f32; 2]; MR],
     ) {
         const NR: usize = 2;
         let kb = w[0].len();
@@ -1020,101 +1022,104 @@ mod x86 {
             load512(Q6_SHIFT_LEFT.as_ptr()),
             load512(Q6_SHIFT_RIGHT.as_ptr()),
         );
-        let mut accf = [_mm512_setzero_ps(); NR];
-        let mut acco = [_mm256_setzero_ps(); NR];
+        let mut accf = [[_mm512_setzero_ps(); NR]; MR];
+        let mut acco = [[_mm256_setzero_ps(); NR]; MR];
         for b in 0..kb {
             for c in 0..NR {
                 prefetch(&w[c][b] as *const Q6Block as *const i8, b, kb, 210, NR);
             }
-            let blk = i0 * kb + b;
-            let aq = a.q.as_ptr().add(blk * QK);
-            let da = *a.d.get_unchecked(blk);
-            let s16 = _mm256_loadu_si256(a.sums16.as_ptr().add(blk * 16) as *const __m256i);
             for c in 0..NR {
                 let wb = &w[c][b];
                 let sc = _mm_loadu_si128(wb.scales.as_ptr() as *const __m128i);
                 let scales256 = _mm256_cvtepi8_epi16(sc);
                 let scales = _mm512_zextsi256_si512(scales256);
-                let mut acc = [_mm512_setzero_si512(); 2];
+                // Codes of 64 elements each (+32) and their scales' lanes.
+                let mut codes = [_mm512_setzero_si512(); 4];
+                let mut weights = [_mm512_setzero_si512(); 4];
                 for h in 0..2 {
                     let ql = load512(wb.ql.as_ptr().add(64 * h));
                     let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(
                         wb.qh.as_ptr().add(32 * h) as *const __m256i
                     ));
-                    let v01 = _mm512_or_si512(
+                    codes[2 * h] = _mm512_or_si512(
                         _mm512_and_si512(ql, m4),
                         _mm512_and_si512(_mm512_sllv_epi16(qh, left), m2),
                     );
-                    let v23 = _mm512_or_si512(
+                    codes[2 * h + 1] = _mm512_or_si512(
                         _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4),
                         _mm512_and_si512(_mm512_srlv_epi16(qh, right), m2),
                     );
-                    let p01 = _mm512_maddubs_epi16(v01, load512(aq.add(128 * h)));
-                    let p23 = _mm512_maddubs_epi16(v23, load512(aq.add(128 * h + 64)));
-                    acc[h] = _mm512_dpwssd_epi32(
-                        acc[h],
-                        p01,
-                        _mm512_permutexvar_epi16(lanes[2 * h], scales),
-                    );
-                    acc[h] = _mm512_dpwssd_epi32(
-                        acc[h],
-                        p23,
-                        _mm512_permutexvar_epi16(lanes[2 * h + 1], scales),
+                    weights[2 * h] = _mm512_permutexvar_epi16(lanes[2 * h], scales);
+                    weights[2 * h + 1] = _mm512_permutexvar_epi16(lanes[2 * h + 1], scales);
+                }
+                let d = f16(wb.d);
+                for r in 0..MR {
+                    let blk = (i0 + r) * kb + b;
+                    let aq = a.q.as_ptr().add(blk * QK);
+                    let mut acc = [_mm512_setzero_si512(); 2];
+                    for v in 0..4 {
+                        let p = _mm512_maddubs_epi16(codes[v], load512(aq.add(64 * v)));
+                        acc[v / 2] = _mm512_dpwssd_epi32(acc[v / 2], p, weights[v]);
+                    }
+                    let dd = d * *a.d.get_unchecked(blk);
+                    let sum = _mm512_add_epi32(acc[0], acc[1]);
+                    accf[r][c] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dd), accf[r][c]);
+                    // The codes are stored + 32: 32 · Σ scale · (sum of 16 codes) comes off.
+                    let s16 = _mm256_loadu_si256(a.sums16.as_ptr().add(blk * 16) as *const __m256i);
+                    let offset = _mm256_madd_epi16(scales256, s16);
+                    acco[r][c] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(offset),
+                        _mm256_set1_ps(32.0 * dd),
+                        acco[r][c],
                     );
                 }
-                let dd = f16(wb.d) * da;
-                let sum = _mm512_add_epi32(acc[0], acc[1]);
-                accf[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dd), accf[c]);
-                // The codes are stored + 32: 32 · Σ scale · (sum of 16 codes) comes off.
-                let offset = _mm256_madd_epi16(scales256, s16);
-                acco[c] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(offset),
-                    _mm256_set1_ps(32.0 * dd),
-                    acco[c],
-                );
             }
         }
-        for c in 0..NR {
-            result[0][c] = _mm512_reduce_add_ps(accf[c]) - hsum(acco[c]);
+        for r in 0..MR {
+            for c in 0..NR {
+                result[r][c] = _mm512_reduce_add_ps(accf[r][c]) - hsum(acco[r][c]);
+            }
         }
     }
 
-    macro_rules! entry {
-        ($name:ident, $body:ident, $block:ty, $vnni:expr, $mr:expr, $nr:expr, $features:literal) => {
-            #[target_feature(enable = $features)]
+    macro_rules! entry512 {
+        ($name:ident, $body:ident, $block:ty, $mr:expr) => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
             pub(super) unsafe fn $name(
                 a: &Acts,
                 i0: usize,
-                w: [&[$block]; $nr],
-                result: &mut [[f32; $nr]; $mr],
+                w: [&[$block]; 2],
+                result: &mut [[f32; 2]; $mr],
             ) {
-                $body::<$vnni, $mr, $nr>(a, i0, w, result)
+                $body::<$mr>(a, i0, w, result)
             }
         };
     }
 
-    entry!(q4_avx2, q4, Q4Block, false, 2, 2, "avx2,fma,f16c");
-    entry!(q4_avx2_1, q4, Q4Block, false, 1, 2, "avx2,fma,f16c");
-    entry!(q6_avx2, q6, Q6Block, false, 2, 2, "avx2,fma,f16c");
-    entry!(q6_avx2_1, q6, Q6Block, false, 1, 2, "avx2,fma,f16c");
-    entry!(
-        q4_vnni,
-        q4,
-        Q4Block,
-        true,
-        4,
-        2,
-        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
-    );
-    entry!(
-        q6_vnni,
-        q6,
-        Q6Block,
-        true,
-        4,
-        2,
-        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
-    );
+    entry512!(q4_512_1, q4_512, Q4Block, 1);
+    entry512!(q4_512_2, q4_512, Q4Block, 2);
+    entry512!(q6_512_1, q6_512, Q6Block, 1);
+    entry512!(q6_512_2, q6_512, Q6Block, 2);
+
+    macro_rules! entry {
+        ($name:ident, $body:ident, $block:ty, $mr:expr) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub(super) unsafe fn $name(
+                a: &Acts,
+                i0: usize,
+                w: [&[$block]; 2],
+                result: &mut [[f32; 2]; $mr],
+            ) {
+                $body::<$mr, 2>(a, i0, w, result)
+            }
+        };
+    }
+
+    entry!(q4_avx2, q4, Q4Block, 2);
+    entry!(q4_avx2_1, q4, Q4Block, 1);
+    entry!(q6_avx2, q6, Q6Block, 2);
+    entry!(q6_avx2_1, q6, Q6Block, 1);
 }
 
 #[cfg(test)]

@@ -619,7 +619,7 @@ unsafe fn row_dot_body<const VNNI: bool>(w: &Q8Matrix, a: &QuantizedActs, j: usi
     let mut acc = [_mm256_setzero_ps(); 2];
     for b in 0..kb {
         if b % 2 == 0 {
-            _mm_prefetch::<_MM_HINT_T1>((wq as *const i8).wrapping_add(b * BLOCK + AHEAD));
+            _mm_prefetch::<_MM_HINT_T1>(wq.wrapping_add(b * BLOCK + AHEAD));
         }
         let wv = _mm256_loadu_si256(wq.add(b * BLOCK) as *const __m256i);
         let av = _mm256_loadu_si256(a.q.as_ptr().add(b * BLOCK) as *const __m256i);
