@@ -179,16 +179,19 @@ impl KMatrix {
                 Some(last) if last.q4 == part.q4 => {
                     let (a, b) = (qtensor(&last.matmul)?, qtensor(&part.matmul)?);
                     let dtype = a.dtype();
-                    let mut bytes = a.data()?.into_owned();
-                    bytes.extend_from_slice(&b.data()?);
+                    let row_bytes = k / QK * if last.q4 { Q4K_BYTES } else { Q6K_BYTES };
+                    let mut bytes = a.data()?[..last.rows * row_bytes].to_vec();
+                    bytes.extend_from_slice(&b.data()?[..part.rows * row_bytes]);
                     let storage = candle_core::quantized::QStorage::from_data(
                         std::borrow::Cow::Owned(bytes),
                         &candle_core::Device::Cpu,
                         dtype,
                     )?;
                     let t = QTensor::new(storage, (last.rows + part.rows, k))?;
-                    let one = KMatrix::new(t, isa)?;
-                    *last = one.parts.into_iter().next().expect("one part");
+                    match KMatrix::new(t, isa)?.parts.pop() {
+                        Some(one) => *last = one,
+                        None => candle_core::bail!("KMatrix::stack: a merged part vanished"),
+                    }
                 }
                 _ => merged.push(part),
             }
