@@ -733,7 +733,7 @@ impl Decoder {
             "output.weight"
         };
         let output = matrix(g, output_name.into(), c.vocab, c.hidden)?;
-        let embed = if tied && output.row(0).is_some() {
+        let embed = if tied && output.has_rows() {
             None
         } else {
             Some(g.tensor("token_embd.weight", &[c.vocab, c.hidden], device)?)

@@ -1280,6 +1280,7 @@ mod tests {
             for lin in &separate {
                 assert_eq!(matches!(lin, Linear::K(_)), isa.avx2(), "{isa}: dispatch");
                 assert_eq!(lin.row(3).is_some(), isa.avx2(), "{isa}: rows");
+                assert_eq!(lin.has_rows(), isa.avx2(), "{isa}: has rows");
             }
             if isa.avx2() {
                 let t = quantized(8, k, GgmlDType::Q6K, 41);

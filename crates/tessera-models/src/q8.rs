@@ -702,6 +702,11 @@ impl Linear {
         candle_core::quantized::QMatMul::from_qtensor(t).map(Linear::Candle)
     }
 
+    /// Whether [`Linear::row`] serves rows: the matrix is in one of our layouts.
+    pub fn has_rows(&self) -> bool {
+        !matches!(self, Linear::Candle(_))
+    }
+
     /// Row `j` of the weights dequantized (an embedding lookup on a tied matrix), where
     /// this matrix keeps its rows in our own layout.
     pub fn row(&self, j: usize) -> Option<Vec<f32>> {
