@@ -864,24 +864,19 @@ mod x86 {
     /// Per-lane shifts that put a Q6_K high-bit pair at bits 4–5: elements 0–31 of a
     /// 64-element run take bits (0, 1) << 4 or (4, 5) >> 0, elements 32–63 bits (2, 3)
     /// << 2 or (6, 7) >> 2.
-    static Q6_SHIFT_LEFT: [i16; 32] = {
-        let mut t = [4i16; 32];
+    static Q6_SHIFT_LEFT: [i16; 32] = halves(4, 2);
+    static Q6_SHIFT_RIGHT: [i16; 32] = halves(0, 2);
+
+    /// 16 lanes of `low` then 16 of `high`.
+    const fn halves(low: i16, high: i16) -> [i16; 32] {
+        let mut t = [low; 32];
         let mut l = 16;
         while l < 32 {
-            t[l] = 2;
+            t[l] = high;
             l += 1;
         }
         t
-    };
-    static Q6_SHIFT_RIGHT: [i16; 32] = {
-        let mut t = [0i16; 32];
-        let mut l = 16;
-        while l < 32 {
-            t[l] = 2;
-            l += 1;
-        }
-        t
-    };
+    }
 
     /// Where a Q4_K block's 12 packed scale bytes start.
     #[inline(always)]
@@ -1130,23 +1125,12 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// Values in [-1, 1) from a seeded xorshift stream, with a few large ones (outliers
+    /// `q8`'s seeded test values in [-1, 1), with every 97th eight times larger (outliers
     /// stretch a block's activation scale, as real activations do).
     fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|i| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let v = (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-                if i % 97 == 0 {
-                    v * 8.0
-                } else {
-                    v
-                }
-            })
-            .collect()
+        let mut v = crate::q8::tests::data(n, seed);
+        v.iter_mut().step_by(97).for_each(|x| *x *= 8.0);
+        v
     }
 
     fn quantized(n: usize, k: usize, dtype: GgmlDType, seed: u64) -> QTensor {

@@ -897,12 +897,12 @@ impl Projections {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::Device;
 
     /// Values in [-1, 1) from a seeded xorshift stream.
-    fn data(n: usize, seed: u64) -> Vec<f32> {
+    pub(crate) fn data(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {
