@@ -2,7 +2,7 @@
 # Side-by-side load runs (BENCHMARKS.md "Serving"): tessera serve and llama-server on the
 # same GGUF, one server at a time, driven by bench/load.py (the openai client under
 # asyncio). Usage:
-#   bash bench/serve-load.sh throughput   # 1, 4, 16, 64 concurrent, ~400-token prompts
+#   bash bench/serve-load.sh throughput   # 1, 4, 16, 64 concurrent (CONCS), ~400-token prompts
 #   bash bench/serve-load.sh budget       # 4k-token prompts under one --kv-budget, per scheme
 #     (BUDGET_MIB, BUDGET_KVS, BUDGET_REQUESTS, BUDGET_MAX_TOKENS)
 # Env: TESSERA (binary, default target/release/tessera), LLAMA_SERVER (llama-server binary),
@@ -29,7 +29,7 @@ load() { python3 bench/load.py --base-url "http://127.0.0.1:$PORT/v1" --corpus "
 echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p') nproc=$(nproc)"
 case "${1:-throughput}" in
 throughput)
-  for c in 1 4 16 64; do
+  for c in ${CONCS:-1 4 16 64}; do
     n=$(( c < 4 ? 4 : c ))
     "$LLAMA_SERVER" -m "$MODEL" -t 2 -np "$c" -cb -c $(( c * 1024 )) --port "$PORT" >/dev/null 2>&1 & pid=$!
     up; load --concurrency "$c" --requests "$n" --prompt-words 300 --max-tokens 64 --label llama-server; stop

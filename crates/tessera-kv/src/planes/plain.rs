@@ -301,13 +301,20 @@ impl Planes for PlainPlanes {
 
     fn chunk(
         &self,
-        _q: &Tensor,
-        _g: &ChunkGeometry,
-        _scale: f32,
+        q: &Tensor,
+        g: &ChunkGeometry,
+        scale: f32,
         _isa: Isa,
     ) -> Result<Option<Tensor>, KvError> {
-        // Plain chunks are read densely: candle's matmuls beat a tiled read here.
-        Ok(None)
+        let q = q.contiguous()?;
+        let (c, d, dv) = (self.capacity, self.geometry.head_dim, self.geometry.value_dim);
+        let out = match (&self.keys, &self.values) {
+            (Data::Bf16(k), Data::Bf16(v)) => decode::chunk_plain(&q, k, v, c, d, dv, g, scale)?,
+            (Data::F16(k), Data::F16(v)) => decode::chunk_plain(&q, k, v, c, d, dv, g, scale)?,
+            (Data::F32(k), Data::F32(v)) => decode::chunk_plain(&q, k, v, c, d, dv, g, scale)?,
+            _ => unreachable!("both planes have the storage dtype"),
+        };
+        Ok(Some(out))
     }
 
     fn allocated_bytes(&self) -> usize {

@@ -697,6 +697,29 @@ pub(crate) fn attend_plain<E: Element>(
     attend_source(q, &source, rows, s, scale, isa)
 }
 
+/// The fused chunk read of plain planes `(rows, kv_heads, capacity, dim)`: the causal
+/// window of `q` attended tile by tile across the CPU pool ([`crate::read::chunk`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn chunk_plain<E: Element>(
+    q: &candle_core::Tensor,
+    keys: &[E],
+    values: &[E],
+    capacity: usize,
+    head_dim: usize,
+    value_dim: usize,
+    geometry: &crate::planes::ChunkGeometry,
+    scale: f32,
+) -> candle_core::Result<candle_core::Tensor> {
+    let source = PlainSource {
+        keys,
+        values,
+        capacity,
+        head_dim,
+        value_dim,
+    };
+    crate::read::chunk::attend_source(q, &source, geometry, scale)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
