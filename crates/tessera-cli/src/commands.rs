@@ -279,6 +279,7 @@ fn stop_words(
     match reason {
         Some(StopReason::MaxTokens) => "max tokens".into(),
         Some(StopReason::ContextLimit) => "context full".into(),
+        Some(StopReason::StopString) => "stop string".into(),
         Some(StopReason::EndToken) => {
             let what = if !chat && token == Some(tok.special().eos) {
                 "end of text"

@@ -112,6 +112,49 @@ fn a_greedy_completion_equals_tessera_generate() {
     assert_eq!(streamed, expected);
 }
 
+/// A choice cut by a stop string ends in the engine like any other: its usage reports the
+/// prompt tokens a stored prefix gave (it used to report 0), and the row is kept for the
+/// next request. Stops common enough in English that 16 greedy tokens meet one.
+#[test]
+fn a_choice_ended_by_a_stop_string_reports_its_cached_prompt_tokens() {
+    let server = Server::start(&["--prefix-cache", "64"]);
+    let r = server.post("/v1/completions", &completion(PROMPT, 16));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let stops = [" ", "e", "a", "\n"];
+    for stream in [false, true] {
+        let mut body = completion(PROMPT, 16);
+        body["stop"] = json!(stops);
+        body["stream"] = json!(stream);
+        body["stream_options"] = json!({"include_usage": true});
+        let r = server.post("/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (text, finish, usage) = if stream {
+            let events = sse_events(r.text());
+            let text: String = events
+                .iter()
+                .filter_map(|e| e["choices"][0]["text"].as_str().map(str::to_string))
+                .collect();
+            let finish = events
+                .iter()
+                .find_map(|e| e["choices"][0]["finish_reason"].as_str().map(str::to_string));
+            let usage = events.last().map(|e| e["usage"].clone()).unwrap_or_default();
+            (text, finish, usage)
+        } else {
+            let v = r.json();
+            (
+                v["choices"][0]["text"].as_str().unwrap().to_string(),
+                v["choices"][0]["finish_reason"].as_str().map(str::to_string),
+                v["usage"].clone(),
+            )
+        };
+        assert_eq!(finish.as_deref(), Some("stop"), "stream {stream}: {text:?}");
+        assert!(stops.iter().all(|s| !text.contains(s)), "{text:?}");
+        check_usage(&usage);
+        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+        assert!(cached.is_some_and(|c| c > 0), "stream {stream}: {usage}");
+    }
+}
+
 #[test]
 fn a_streamed_chat_completion_is_framed_as_openai_does() {
     let server = Server::start(&[]);

@@ -16,12 +16,13 @@ use crate::generate::StopReason;
 use crate::prefix::PrefixCache;
 use crate::sampler::{Dist, Sampler, SamplerConfig};
 use crate::speculative::{verify_token, DraftLength, NgramDrafter, SpecStats};
+use crate::stop::{Released, StopText};
 use crate::EngineError;
 use candle_core::Tensor;
 use std::collections::VecDeque;
 use std::path::Path;
 use tessera_kv::{AttentionCache, KvCache, KvScheme, Retention};
-use tessera_models::{LogitsMode, Model};
+use tessera_models::{LogitsMode, Model, Tokenizer};
 
 /// One generation, validated by [`Batch::add`].
 #[derive(Debug, Clone)]
@@ -31,6 +32,9 @@ pub struct GenerationRequest {
     pub sampler: SamplerConfig,
     /// Tokens that end the generation (not emitted).
     pub stop_tokens: Vec<u32>,
+    /// Texts that end the generation where they appear (not part of the output; needs a
+    /// batch with a tokenizer, [`Batch::with_tokenizer`]).
+    pub stop_strings: Vec<String>,
     /// `Some(n)`: every token's event carries its log-probability under the model and the
     /// `n` (at most [`MAX_TOP_LOGPROBS`]) most likely tokens at that step.
     pub logprobs: Option<usize>,
@@ -87,6 +91,9 @@ pub enum Event {
         token: u32,
         /// Where the request asked for them.
         logprobs: Option<TokenLogprobs>,
+        /// The text this token makes printable, stop strings held back (a batch with a
+        /// tokenizer; empty otherwise).
+        text: String,
     },
     Finished {
         id: RequestId,
@@ -95,7 +102,13 @@ pub enum Event {
         completion_tokens: usize,
         /// Prompt tokens a stored prefix gave (not read again).
         cached_tokens: usize,
+        /// The text still held back at the end (an incomplete character, a partial stop
+        /// string that did not complete), released.
+        text: String,
     },
+    /// The request could not go on (its tokens could not be detokenized); its row has left
+    /// the batch.
+    Failed { id: RequestId, message: String },
 }
 
 /// Admission limits of a [`Batch`].
@@ -145,6 +158,10 @@ struct Row {
     produced: usize,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
+    /// The detokenized output and its stop strings, where the batch has a tokenizer.
+    text: Option<StopText>,
+    /// Why the request cannot go on (reported by [`Row::finished`]).
+    failure: Option<String>,
     logprobs: Option<usize>,
     /// The token fed at the next step.
     next: u32,
@@ -176,6 +193,8 @@ pub const PREFIX_CHECKPOINT: usize = 64;
 /// Requests decoded together; see the module docs.
 pub struct Batch<'m> {
     model: &'m Model,
+    /// Detokenizes every row's output (stop strings, [`Event::Token`]'s text).
+    tokenizer: Option<&'m Tokenizer>,
     scheme: KvScheme,
     prefill_chunk: usize,
     limits: BatchLimits,
@@ -224,6 +243,7 @@ impl<'m> Batch<'m> {
             .collect();
         Ok(Batch {
             model,
+            tokenizer: None,
             scheme: scheme.clone(),
             prefill_chunk,
             limits,
@@ -238,6 +258,13 @@ impl<'m> Batch<'m> {
             spec: None,
             spec_stats: SpecStats::default(),
         })
+    }
+
+    /// Detokenizes each row's output as it is generated: [`Event::Token`] and
+    /// [`Event::Finished`] carry the text, and requests may have stop strings.
+    pub fn with_tokenizer(mut self, tokenizer: &'m Tokenizer) -> Self {
+        self.tokenizer = Some(tokenizer);
+        self
     }
 
     /// Decodes with speculation ([`BatchSpec`]). Only before the first request: every
@@ -352,6 +379,11 @@ impl<'m> Batch<'m> {
             return Err(EngineError::EmptyPrompt);
         }
         request.sampler.validate()?;
+        if self.tokenizer.is_none() && request.stop_strings.iter().any(|s| !s.is_empty()) {
+            return Err(EngineError::Invalid(
+                "stop strings need a batch that detokenizes (Batch::with_tokenizer)".into(),
+            ));
+        }
         if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(EngineError::Invalid(format!(
                 "top_logprobs must be at most {MAX_TOP_LOGPROBS}, not {n}"
@@ -504,6 +536,7 @@ impl<'m> Batch<'m> {
             max_tokens,
             sampler,
             stop_tokens,
+            stop_strings,
             logprobs,
         } = p.request;
         let mut row = Row {
@@ -515,12 +548,14 @@ impl<'m> Batch<'m> {
             produced: 0,
             max_tokens,
             stop_tokens,
+            text: self.tokenizer.map(|_| StopText::new(stop_strings)),
+            failure: None,
             logprobs,
             next: 0,
             kv_bytes: p.kv_bytes,
             draft_len: DraftLength::new(self.round_slack()),
         };
-        if let Some(reason) = row.take(&logits, events) {
+        if let Some(reason) = row.take(&logits, self.tokenizer, events) {
             events.push(row.finished(reason));
             if let Some(store) = self.prefixes.as_mut() {
                 store.insert(row.history[..row.prompt_tokens].to_vec(), p.cache);
@@ -545,7 +580,7 @@ impl<'m> Batch<'m> {
         let context = self.model.context_length();
         let offsets = cache.offsets();
         let mut done: Vec<usize> = Vec::new();
-        for (i, row) in self.rows.iter().enumerate() {
+        for (i, row) in self.rows.iter_mut().enumerate() {
             if offsets[i] + 1 > context {
                 events.push(row.finished(StopReason::ContextLimit));
                 done.push(i);
@@ -575,8 +610,9 @@ impl<'m> Batch<'m> {
         let ids = Tensor::from_vec(ids, (self.rows.len(), 1), self.model.device())?;
         let logits = self.model.forward(&ids, cache, LogitsMode::Last)?;
         let logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+        let tokenizer = self.tokenizer;
         for (i, (row, l)) in self.rows.iter_mut().zip(&logits).enumerate() {
-            if let Some(reason) = row.take(l, events) {
+            if let Some(reason) = row.take(l, tokenizer, events) {
                 events.push(row.finished(reason));
                 done.push(i);
             }
@@ -654,6 +690,7 @@ impl<'m> Batch<'m> {
         let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         let vocab = logits.len() / (rows * width);
         let mut keep = vec![1; rows];
+        let tokenizer = self.tokenizer;
         for (i, (row, draft)) in self.rows.iter_mut().zip(drafts).enumerate() {
             let at: Vec<&[f32]> = (0..width)
                 .map(|j| &logits[(i * width + j) * vocab..(i * width + j + 1) * vocab])
@@ -669,7 +706,7 @@ impl<'m> Batch<'m> {
             }
             for (j, &t) in decided.iter().enumerate() {
                 row.sampler.record(t);
-                if let Some(reason) = row.emit(t, at[j], events) {
+                if let Some(reason) = row.emit(t, at[j], tokenizer, events) {
                     events.push(row.finished(reason));
                     done.push(i);
                     // A stop token among the accepted drafts: the row keeps only positions
@@ -726,23 +763,45 @@ impl<'m> Batch<'m> {
 impl Row {
     /// Samples the next token from `logits`: emits it and returns `None`, or returns why
     /// the request ends (a stop token is not emitted).
-    fn take(&mut self, logits: &[f32], events: &mut Vec<Event>) -> Option<StopReason> {
+    fn take(
+        &mut self,
+        logits: &[f32],
+        tokenizer: Option<&Tokenizer>,
+        events: &mut Vec<Event>,
+    ) -> Option<StopReason> {
         if self.produced >= self.max_tokens {
             return Some(StopReason::MaxTokens);
         }
         let token = self.sampler.sample(logits, &self.history);
-        self.emit(token, logits, events)
+        self.emit(token, logits, tokenizer, events)
     }
 
     /// Emits `token`, decided from `logits`, and returns `None`, or returns why the request
-    /// ends (a stop token is not emitted).
-    fn emit(&mut self, token: u32, logits: &[f32], events: &mut Vec<Event>) -> Option<StopReason> {
+    /// ends (a stop token is not emitted; the token that completes a stop string is, its
+    /// text cut where the stop string begins).
+    fn emit(
+        &mut self,
+        token: u32,
+        logits: &[f32],
+        tokenizer: Option<&Tokenizer>,
+        events: &mut Vec<Event>,
+    ) -> Option<StopReason> {
         if self.produced >= self.max_tokens {
             return Some(StopReason::MaxTokens);
         }
         if self.stop_tokens.contains(&token) {
             return Some(StopReason::EndToken);
         }
+        let released = match (self.text.as_mut(), tokenizer) {
+            (Some(text), Some(tokenizer)) => match text.push(tokenizer, token) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.failure = Some(format!("detokenizing token {token} failed: {e}"));
+                    return Some(StopReason::EndToken);
+                }
+            },
+            _ => Released::default(),
+        };
         let logprobs = self
             .logprobs
             .map(|top| TokenLogprobs::new(logits, token, top));
@@ -750,10 +809,14 @@ impl Row {
             id: self.id,
             token,
             logprobs,
+            text: released.text,
         });
         self.produced += 1;
         self.history.push(token);
         self.next = token;
+        if released.stopped {
+            return Some(StopReason::StopString);
+        }
         (self.produced >= self.max_tokens).then_some(StopReason::MaxTokens)
     }
 
@@ -785,13 +848,34 @@ impl Row {
         decided
     }
 
-    fn finished(&self, reason: StopReason) -> Event {
+    /// The request's last event: its text still held back released (where that completes a
+    /// stop string, the reason becomes [`StopReason::StopString`]), or its failure.
+    fn finished(&mut self, reason: StopReason) -> Event {
+        if let Some(message) = self.failure.take() {
+            return Event::Failed {
+                id: self.id,
+                message,
+            };
+        }
+        let (reason, text) = match self.text.as_mut() {
+            Some(text) if reason != StopReason::StopString => {
+                let rest = text.finish();
+                let reason = if rest.stopped {
+                    StopReason::StopString
+                } else {
+                    reason
+                };
+                (reason, rest.text)
+            }
+            _ => (reason, String::new()),
+        };
         Event::Finished {
             id: self.id,
             reason,
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.produced,
             cached_tokens: self.cached_tokens,
+            text,
         }
     }
 }
@@ -821,6 +905,7 @@ pub fn generate_batch_greedy(
                 sampler: SamplerConfig::default(),
                 stop_tokens: stop_tokens.to_vec(),
                 logprobs: None,
+                stop_strings: Vec::new(),
             })
         })
         .collect::<Result<Vec<_>, _>>()?;

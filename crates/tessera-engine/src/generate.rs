@@ -8,6 +8,9 @@ use crate::EngineError;
 pub enum StopReason {
     /// The model produced an end-of-sequence or end-of-turn token.
     EndToken,
+    /// The text reached one of the request's stop strings (a [`crate::Batch`] with a
+    /// tokenizer).
+    StopString,
     MaxTokens,
     /// The model's context is full.
     ContextLimit,
@@ -117,6 +120,7 @@ impl Iterator for Generation<'_, '_> {
 /// across tokens), the stream resumes at the first character that changed, so the change
 /// shows rather than being lost, and it never cuts inside a character. [`TextStream::finish`]
 /// returns whatever is still held at the end of generation.
+#[derive(Debug)]
 pub struct TextStream {
     ids: Vec<u32>,
     /// The decoded text that everything returned so far was cut from.

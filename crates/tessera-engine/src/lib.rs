@@ -20,6 +20,7 @@ pub mod prompt_cache;
 mod sampler;
 mod session;
 pub mod speculative;
+pub mod stop;
 pub mod store;
 
 pub use batch::{
@@ -31,3 +32,4 @@ pub use generate::{Generation, StopReason, TextStream};
 pub use prefix::PrefixCache;
 pub use sampler::{argmax, Dist, Sampler, SamplerConfig};
 pub use session::{log_softmax, Session, DEFAULT_PREFILL_CHUNK};
+pub use stop::{Released, StopText};

@@ -81,6 +81,7 @@ fn each_row_accepts_its_own_drafts_and_equals_plain_greedy() {
                         sampler: SamplerConfig::default(),
                         stop_tokens: vec![],
                         logprobs: None,
+                        stop_strings: Vec::new(),
                     };
                     ids[i] = Some(batch.add(request).unwrap());
                 }
@@ -96,6 +97,7 @@ fn each_row_accepts_its_own_drafts_and_equals_plain_greedy() {
                         assert_eq!(completion_tokens, out.get(&id).map_or(0, Vec::len));
                         finished += 1;
                     }
+                    Event::Failed { message, .. } => panic!("a request failed: {message}"),
                 }
             }
             step += 1;
@@ -145,6 +147,7 @@ fn speculation_is_set_before_requests_and_checked() {
         sampler: SamplerConfig::default(),
         stop_tokens: vec![],
         logprobs: None,
+        stop_strings: Vec::new(),
     })
     .unwrap();
     let err = b
@@ -181,6 +184,7 @@ fn run_all(batch: &mut Batch, requests: Vec<GenerationRequest>) -> Vec<Got> {
                     id,
                     token,
                     logprobs,
+                    ..
                 } => {
                     let got = out.entry(id).or_default();
                     got.tokens.push(token);
@@ -189,6 +193,7 @@ fn run_all(batch: &mut Batch, requests: Vec<GenerationRequest>) -> Vec<Got> {
                 Event::Finished {
                     id, cached_tokens, ..
                 } => out.entry(id).or_default().cached = cached_tokens,
+                Event::Failed { message, .. } => panic!("a request failed: {message}"),
             }
         }
     }
@@ -214,6 +219,7 @@ fn a_stop_token_inside_accepted_drafts_leaves_a_reusable_row() {
         sampler: SamplerConfig::default(),
         stop_tokens,
         logprobs: Some(0),
+        stop_strings: Vec::new(),
     };
     let limits = BatchLimits::default();
     let speculating = || {

@@ -86,6 +86,7 @@ fn batched(
                 Event::Finished { id, .. } => {
                     assert!(finished.insert(id, event).is_none(), "finished twice");
                 }
+                Event::Failed { message, .. } => panic!("a request failed: {message}"),
             }
         }
         most = most.max(batch.running());
@@ -129,6 +130,7 @@ fn requests_joining_and_leaving_equal_each_run_alone() {
                 },
                 stop_tokens: vec![],
                 logprobs: None,
+                stop_strings: Vec::new(),
             })
             .collect();
         let limits = BatchLimits {
@@ -158,6 +160,7 @@ fn requests_joining_and_leaving_equal_each_run_alone() {
                     prompt_tokens: r.prompt.len(),
                     completion_tokens: r.max_tokens,
                     cached_tokens: 0,
+                    text: String::new(),
                 }),
                 "{kv}: request {i}"
             );
@@ -178,6 +181,7 @@ fn a_cancelled_request_leaves_and_the_others_go_on() {
             sampler: SamplerConfig::default(),
             stop_tokens: vec![],
             logprobs: None,
+            stop_strings: Vec::new(),
         })
         .collect();
     // Request 1 is cancelled once all three decode together.
@@ -230,6 +234,7 @@ fn admission_limits_queue_context_and_kv_budget() {
         sampler: SamplerConfig::default(),
         stop_tokens: vec![],
         logprobs: None,
+        stop_strings: Vec::new(),
     };
     // The queue: the third waiting request is refused, nothing else changes.
     let limits = BatchLimits {
@@ -317,7 +322,7 @@ fn serve_one(batch: &mut Batch, request: GenerationRequest) -> (Vec<u32>, Event)
 fn cached(event: &Event) -> usize {
     match event {
         Event::Finished { cached_tokens, .. } => *cached_tokens,
-        Event::Token { .. } => unreachable!("a finish event"),
+        Event::Token { .. } | Event::Failed { .. } => unreachable!("a finish event"),
     }
 }
 
@@ -339,6 +344,7 @@ fn prefix_reuse_reads_only_the_new_suffix() {
         sampler: SamplerConfig::default(),
         stop_tokens: vec![],
         logprobs: None,
+        stop_strings: Vec::new(),
     };
     let store = || {
         Batch::new(&model, &scheme, CHUNK, BatchLimits::default())
@@ -433,4 +439,102 @@ fn prefix_reuse_reads_only_the_new_suffix() {
     .collect::<Result<_, _>>()
     .unwrap();
     assert_eq!(got, want, "another question after the same document");
+}
+
+/// Runs `request` alone through `batch` to its end: its tokens, the text its events carried
+/// (each token's, then the finish event's) and its finish event.
+fn serve_text(batch: &mut Batch, request: GenerationRequest) -> (Vec<u32>, String, Event) {
+    let id = batch.add(request).unwrap();
+    let (mut tokens, mut text, mut finished) = (Vec::new(), String::new(), None);
+    while !batch.is_idle() {
+        for event in batch.step().unwrap() {
+            match &event {
+                Event::Token {
+                    id: i,
+                    token,
+                    text: t,
+                    ..
+                } if *i == id => {
+                    tokens.push(*token);
+                    text.push_str(t);
+                }
+                Event::Finished { id: i, text: t, .. } if *i == id => {
+                    text.push_str(t);
+                    finished = Some(event.clone());
+                }
+                Event::Failed { message, .. } => panic!("a request failed: {message}"),
+                _ => {}
+            }
+        }
+    }
+    (tokens, text, finished.expect("a finish event"))
+}
+
+/// Stop strings live in the batch: the text it releases is the tokenizer's decoding of the
+/// tokens, cut where the first stop string begins; the request ends at the token that
+/// completes it (`StopReason::StopString`), leaves the batch like any finished row, and
+/// still reports the prefix it reused. The reference is the tokenizer's own decode of the
+/// tokens and `str::find`, not the batch's incremental text.
+#[test]
+fn stop_strings_end_a_request_which_reports_its_reused_prefix() {
+    let (model, tok) = common::load(false);
+    let scheme = KvScheme::parse("bf16").unwrap();
+    let prompt = prompts(&tok)[1].clone();
+    let request = |stop_strings: Vec<String>| GenerationRequest {
+        prompt: prompt.clone(),
+        max_tokens: 40,
+        sampler: SamplerConfig::default(),
+        stop_tokens: vec![],
+        logprobs: None,
+        stop_strings,
+    };
+    // Without a tokenizer a batch cannot match text: refused, not ignored.
+    let mut plain = Batch::new(&model, &scheme, CHUNK, BatchLimits::default()).unwrap();
+    assert!(matches!(
+        plain.add(request(vec!["e".into()])),
+        Err(EngineError::Invalid(_))
+    ));
+    let mut batch = Batch::new(&model, &scheme, CHUNK, BatchLimits::default())
+        .unwrap()
+        .with_tokenizer(&tok)
+        .with_prefix_cache(64 << 20);
+    // No stop strings: the released text is the whole decoding.
+    let (tokens, text, end) = serve_text(&mut batch, request(vec![]));
+    assert_eq!(text, tok.decode(&tokens).unwrap());
+    assert!(matches!(
+        end,
+        Event::Finished {
+            reason: StopReason::MaxTokens,
+            ..
+        }
+    ));
+    // Stop strings common enough in 40 tokens of English to be met; the earliest wins.
+    let stops = vec!["the".to_string(), "e".to_string(), "\n\n".to_string()];
+    let (tokens, text, end) = serve_text(&mut batch, request(stops.clone()));
+    let decoded = tok.decode(&tokens).unwrap();
+    let at = stops
+        .iter()
+        .filter_map(|s| decoded.find(s.as_str()))
+        .min()
+        .expect("a stop string in the output");
+    assert_eq!(text, decoded[..at], "the text before the stop string");
+    let before = tok.decode(&tokens[..tokens.len() - 1]).unwrap();
+    assert!(
+        stops.iter().all(|s| !before.contains(s.as_str())),
+        "the request ended at the token that completed the stop string"
+    );
+    match end {
+        Event::Finished {
+            reason,
+            completion_tokens,
+            cached_tokens,
+            ..
+        } => {
+            assert_eq!(reason, StopReason::StopString);
+            assert_eq!(completion_tokens, tokens.len());
+            assert!(cached_tokens > 0, "the first request's row was reused");
+        }
+        other => panic!("a finish event: {other:?}"),
+    }
+    assert_eq!(batch.running(), 0, "the row left the batch");
 }

@@ -59,6 +59,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
         sampler: SamplerConfig::default(),
         stop_tokens: vec![],
         logprobs: None,
+        stop_strings: Vec::new(),
     }
 }
 

@@ -287,6 +287,7 @@ fn speculative_sampling_in_a_batch_draws_from_the_target_distribution() {
                 },
                 stop_tokens: vec![],
                 logprobs: None,
+                stop_strings: Vec::new(),
             })
             .unwrap();
         outputs.insert(id, Vec::new());

@@ -3,7 +3,8 @@
 //! tokenizes, validates and queues every choice (all or none), then loops — take new
 //! submissions (blocking only when there is nothing to step), cancel requests whose client
 //! has gone, `step()`, and forward each choice's text (and logprobs, where asked) to its
-//! reply channel as it becomes printable (stop strings held back until they cannot match).
+//! reply channel as the batch releases it (the batch detokenizes, and holds text back until
+//! it cannot become one of the request's stop strings).
 //! It publishes what it observed to [`Metrics`] once per loop.
 
 use crate::metrics::{Gauges, Metrics, Outcome, Tally};
@@ -17,7 +18,7 @@ use tessera_engine::chat::{ChatTemplate, Message};
 use tessera_engine::speculative::SpecStats;
 use tessera_engine::{
     Batch, BatchLimits, BatchSpec, EngineError, Event, GenerationRequest, RequestId, SamplerConfig,
-    StopReason, TextStream, TokenLogprobs,
+    StopReason, TokenLogprobs,
 };
 use tessera_kv::KvScheme;
 use tessera_models::{Model, Tokenizer};
@@ -117,11 +118,6 @@ type Outgoing = (UnboundedSender<Reply>, Reply);
 struct Live {
     reply: UnboundedSender<Reply>,
     choice: usize,
-    stream: TextStream,
-    /// All text decoded so far; `text[..sent]` went to the client.
-    text: String,
-    sent: usize,
-    stops: Vec<String>,
     prompt_tokens: usize,
     tokens: usize,
     /// Logprobs of tokens whose text has not been sent yet.
@@ -131,14 +127,10 @@ struct Live {
 }
 
 impl Live {
-    fn new(reply: UnboundedSender<Reply>, choice: usize, stops: Vec<String>) -> Live {
+    fn new(reply: UnboundedSender<Reply>, choice: usize) -> Live {
         Live {
             reply,
             choice,
-            stream: TextStream::new(),
-            text: String::new(),
-            sent: 0,
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             prompt_tokens: 0,
             tokens: 0,
             pending: Vec::new(),
@@ -154,39 +146,12 @@ impl Live {
         });
     }
 
-    /// Sends what can no longer turn into a stop string (with the logprobs of the tokens
-    /// so far); on a stop string, sends the text before it and returns true.
-    fn forward(&mut self, piece: &str, at_end: bool) -> bool {
-        self.text.push_str(piece);
-        let search_from = self
-            .sent
-            .saturating_sub(self.stops.iter().map(|s| s.len()).max().unwrap_or(0));
-        let search_from = (0..=search_from)
-            .rev()
-            .find(|&i| self.text.is_char_boundary(i))
-            .unwrap_or(0);
-        let hit = self
-            .stops
-            .iter()
-            .filter_map(|s| self.text[search_from..].find(s.as_str()))
-            .min()
-            .map(|at| search_from + at);
-        let (end, stopped) = match hit {
-            Some(at) => (at.max(self.sent), true),
-            None if at_end => (self.text.len(), false),
-            None => (self.text.len() - held_back(&self.text, &self.stops), false),
-        };
-        if end > self.sent {
-            let text = self.text[self.sent..end].to_string();
+    /// Sends text the batch released, with the logprobs of the tokens it completes.
+    fn forward(&mut self, text: String) {
+        if !text.is_empty() {
             let logprobs = std::mem::take(&mut self.pending);
             self.send(StreamItem::Text { text, logprobs });
-            self.sent = end;
         }
-        if stopped {
-            // The tokens that made the stop string are cut with it.
-            self.pending.clear();
-        }
-        stopped
     }
 
     /// The choice's `Done`, for the caller to send once the metrics count it.
@@ -204,19 +169,6 @@ impl Live {
         };
         (self.reply.clone(), reply)
     }
-}
-
-/// Bytes at the end of `text` that begin some stop string (so may still become one).
-fn held_back(text: &str, stops: &[String]) -> usize {
-    stops
-        .iter()
-        .filter_map(|s| {
-            (1..s.len())
-                .rev()
-                .find(|&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 /// The settings `validate` and `add` name, as `param`.
@@ -389,8 +341,10 @@ fn publish(metrics: &Metrics, batch: &Batch, tally: &mut Tally, base: &Base) {
 
 /// A fresh batch and its prefix store, which indexes `dir` where there is one (a folder
 /// that cannot be listed leaves the store in memory, with one stderr line).
+#[allow(clippy::too_many_arguments)]
 fn new_batch<'m>(
     model: &'m Model,
+    tokenizer: &'m Tokenizer,
     scheme: &KvScheme,
     prefill_chunk: usize,
     limits: BatchLimits,
@@ -399,7 +353,7 @@ fn new_batch<'m>(
     spec: Option<BatchSpec>,
 ) -> Result<Batch<'m>, EngineError> {
     let fresh = || -> Result<Batch<'m>, EngineError> {
-        let batch = Batch::new(model, scheme, prefill_chunk, limits)?;
+        let batch = Batch::new(model, scheme, prefill_chunk, limits)?.with_tokenizer(tokenizer);
         match spec {
             Some(spec) => batch.with_speculation(spec),
             None => Ok(batch),
@@ -446,6 +400,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
     let fresh_batch = || {
         new_batch(
             &model,
+            &tokenizer,
             &scheme,
             prefill_chunk,
             limits,
@@ -565,11 +520,12 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                         max_tokens,
                         sampler,
                         stop_tokens: stops.clone(),
+                        stop_strings: job.stops.clone(),
                         logprobs: job.logprobs,
                     };
                     match batch.add(request) {
                         Ok(id) => {
-                            let mut l = Live::new(reply.clone(), added.len(), job.stops.clone());
+                            let mut l = Live::new(reply.clone(), added.len());
                             l.prompt_tokens = prompt_tokens;
                             l.received = received;
                             added.push((id, l));
@@ -653,6 +609,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                     id,
                     token,
                     logprobs,
+                    text,
                 } => {
                     tally.generation_tokens += 1;
                     let Some(l) = live.get_mut(&id) else { continue };
@@ -665,50 +622,27 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                     if let Some(lp) = &logprobs {
                         l.pending.push(texts.logprobs(&tokenizer, token, lp));
                     }
-                    let piece = match l.stream.push(&tokenizer, token) {
-                        Ok(p) => p,
-                        Err(e) => {
-                            let item = StreamItem::Error(ApiError::internal(format!(
-                                "detokenizing failed: {e}"
-                            )));
-                            outbox.push((
-                                l.reply.clone(),
-                                Reply {
-                                    choice: l.choice,
-                                    item,
-                                },
-                            ));
-                            batch.cancel(id);
-                            live.remove(&id);
-                            tally.finish(Outcome::Error, 1);
-                            continue;
-                        }
-                    };
-                    if l.forward(&piece, false) {
-                        // Cut by a stop string: the engine's finish event never comes.
-                        outbox.push(l.done(Finish::Stop, 0));
-                        batch.cancel(id);
-                        live.remove(&id);
-                        tally.finish(Outcome::Stop, 1);
-                    }
+                    l.forward(text);
                 }
                 Event::Finished {
                     id,
                     reason,
                     cached_tokens,
+                    text,
                     ..
                 } => {
                     let Some(mut l) = live.remove(&id) else {
                         continue;
                     };
-                    let rest = l.stream.finish();
-                    let finish = if l.forward(&rest, true) {
-                        Finish::Stop
-                    } else {
-                        match reason {
-                            StopReason::EndToken => Finish::Stop,
-                            StopReason::MaxTokens | StopReason::ContextLimit => Finish::Length,
+                    l.forward(text);
+                    let finish = match reason {
+                        StopReason::StopString => {
+                            // The tokens that made the stop string are cut with it.
+                            l.pending.clear();
+                            Finish::Stop
                         }
+                        StopReason::EndToken => Finish::Stop,
+                        StopReason::MaxTokens | StopReason::ContextLimit => Finish::Length,
                     };
                     outbox.push(l.done(finish, cached_tokens));
                     tally.finish(
@@ -718,6 +652,20 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                         },
                         1,
                     );
+                }
+                Event::Failed { id, message } => {
+                    let Some(l) = live.remove(&id) else {
+                        continue;
+                    };
+                    let item = StreamItem::Error(ApiError::internal(message));
+                    outbox.push((
+                        l.reply.clone(),
+                        Reply {
+                            choice: l.choice,
+                            item,
+                        },
+                    ));
+                    tally.finish(Outcome::Error, 1);
                 }
             }
         }
@@ -732,51 +680,6 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
 mod tests {
     use super::*;
 
-    fn live(stops: &[&str]) -> (Live, mpsc::UnboundedReceiver<Reply>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let l = Live::new(tx, 0, stops.iter().map(|s| s.to_string()).collect());
-        (l, rx)
-    }
-
-    fn sent(rx: &mut mpsc::UnboundedReceiver<Reply>) -> String {
-        let mut out = String::new();
-        while let Ok(reply) = rx.try_recv() {
-            if let StreamItem::Text { text, .. } = reply.item {
-                out.push_str(&text);
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn a_stop_string_split_over_pieces_is_held_back_then_cut() {
-        let (mut l, mut rx) = live(&["END"]);
-        assert!(!l.forward("hello E", false));
-        assert_eq!(sent(&mut rx), "hello ");
-        assert!(!l.forward("N", false));
-        assert_eq!(sent(&mut rx), "");
-        assert!(l.forward("D more", false));
-        assert_eq!(sent(&mut rx), "");
-        assert_eq!(&l.text[..l.sent], "hello ");
-    }
-
-    #[test]
-    fn a_held_prefix_that_does_not_complete_is_released() {
-        let (mut l, mut rx) = live(&["END"]);
-        assert!(!l.forward("a E", false));
-        assert!(!l.forward("x", false));
-        assert_eq!(sent(&mut rx), "a Ex");
-        assert!(!l.forward("E", true));
-        assert_eq!(sent(&mut rx), "E");
-    }
-
-    #[test]
-    fn the_earliest_stop_wins_and_multibyte_text_is_safe() {
-        let (mut l, mut rx) = live(&["é!", "b"]);
-        assert!(l.forward("ééaé!b", false));
-        assert_eq!(sent(&mut rx), "ééa");
-    }
-
     fn lp(token: &str) -> TokenLogprob {
         TokenLogprob {
             token: token.into(),
@@ -786,15 +689,19 @@ mod tests {
         }
     }
 
+    /// The batch released "a", then " " (holding back "E" of " E"), then nothing for "ND"
+    /// (the stop string "END" completed): each token's logprob travels with the text it
+    /// completes, and the stop's tokens are dropped.
     #[test]
     fn logprobs_travel_with_their_text_and_are_cut_with_a_stop_string() {
-        let (mut l, mut rx) = live(&["END"]);
-        l.pending.push(lp("a"));
-        assert!(!l.forward("a", false));
-        l.pending.push(lp(" E"));
-        assert!(!l.forward(" E", false));
-        l.pending.push(lp("ND"));
-        assert!(l.forward("ND", false));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut l = Live::new(tx, 0);
+        for (token, text) in [("a", "a"), (" E", " "), ("ND", "")] {
+            l.pending.push(lp(token));
+            l.forward(text.to_string());
+        }
+        // What the Finished { reason: StopString } arm does.
+        l.pending.clear();
         let (to, done) = l.done(Finish::Stop, 0);
         to.send(done).unwrap();
         let mut items = Vec::new();
@@ -804,11 +711,11 @@ mod tests {
         assert!(
             matches!(&items[0], StreamItem::Text { text, logprobs } if text == "a" && logprobs == &[lp("a")])
         );
-        // " " went out with the token that held it; the stop's tokens are dropped.
         assert!(
             matches!(&items[1], StreamItem::Text { text, logprobs } if text == " " && logprobs == &[lp(" E")])
         );
         assert!(matches!(&items[2], StreamItem::Done { logprobs, .. } if logprobs.is_empty()));
+        assert_eq!(items.len(), 3);
     }
 
     #[test]
