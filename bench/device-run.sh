@@ -21,6 +21,9 @@
 #           concurrent (openai wheels carried in .device/wheels), then bench --batch 1/16/64
 #           (SERVE8B_CONC: the concurrencies; SERVE8B_LOAD: load.py's prompt/output flags;
 #           SERVE8B_GEN: bench's --gen-tokens)
+#   budget8b  tessera serve --device cuda, synthetic Llama-3-8B, one --kv-budget (BUDGET8B_MIB,
+#           2048) for each scheme (BUDGET8B_KVS), 16 concurrent requests of ~4k-token prompts
+#           (BUDGET8B_LOAD: load.py's request flags): rows admitted and per-request speed
 #   promptcache  tessera cache save --device cuda, generate --prompt-cache on cuda (== cold)
 #           and cpu, bench --prompt-cache on the synthetic 270M and 8B
 #   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
@@ -125,6 +128,27 @@ for _ in range(600):
       for c in ${SERVE8B_CONC:-1 16 64}; do
         $T bench --model /tmp/llama3-8b.gguf --device cuda --batch $c --prompt-tokens 256 \
           --gen-tokens ${SERVE8B_GEN:-64} --repeat 1 2>&1 | tee -a $OUT/serve8b.txt
+      done ;;
+    budget8b)
+      # The serve issue's budget figure where a decode step is memory-bound: how many rows a
+      # 4-bit cache admits under the budget that admits a few bf16 rows, and how fast each
+      # request streams.
+      log budget8b; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      python3 -m pip install -q --no-index --find-links .device/wheels --target /tmp/pylib openai
+      export PYTHONPATH=/tmp/pylib
+      for kv in ${BUDGET8B_KVS:-bf16 affine:4 turbo:4}; do
+        $T serve --model /tmp/llama3-8b.gguf --device cuda --port 18080 --kv $kv --max-batch 32 \
+          --kv-budget ${BUDGET8B_MIB:-2048} --max-queue 256 2>>$OUT/budget8b-server.txt & SP=$!
+        python3 -c 'import time,urllib.request as u
+for _ in range(600):
+    try: u.urlopen("http://127.0.0.1:18080/health", timeout=2); break
+    except OSError: time.sleep(0.5)'
+        # The synthetic model's vocabulary makes ~7.8 tokens of a word: 510 words ≈ 4k tokens.
+        timeout 150 python3 bench/load.py --base-url http://127.0.0.1:18080/v1 --corpus .device/text.txt \
+          --concurrency 16 ${BUDGET8B_LOAD:---requests 24 --prompt-words 510 --max-tokens 320} \
+          --label "cuda $kv budget ${BUDGET8B_MIB:-2048} MiB" \
+          --metrics-url http://127.0.0.1:18080/metrics 2>&1 | tee -a $OUT/budget8b.txt
+        kill $SP; wait $SP || true
       done ;;
     promptcache)
       # Prompt caches saved from the device (through the host) and loaded onto it: a prompt

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message, TemplateOrigin};
 use tessera_engine::eval::{evaluate, EvalMode};
+use tessera_engine::prompt::{self, Prompt, PromptInput};
 use tessera_engine::prompt_cache::{self, ReuseLimit};
 use tessera_engine::store::{self, FetchEvent};
 use tessera_engine::{SamplerConfig, Session, StopReason, TextStream, DEFAULT_PREFILL_CHUNK};
@@ -234,39 +235,14 @@ fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
     Ok(config)
 }
 
-/// The vocabulary's end-of-sequence and end-of-turn ids.
-fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
-    let s = tok.special();
-    std::iter::once(s.eos).chain(s.end_of_turn).collect()
-}
-
-/// The model file's chat template (`tokenizer.chat_template`), else the built-in format
-/// its vocabulary fits, announced once on stderr.
+/// The model file's chat template, else the built-in format its vocabulary fits, announced
+/// once on stderr.
 fn chat_template(tok: &Tokenizer) -> Result<ChatTemplate> {
-    let text = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or_default();
-    let s = tok.special();
-    let template = ChatTemplate::from_gguf_or_builtin(
-        tok.chat_template(),
-        &text(s.bos),
-        &text(Some(s.eos)),
-        |t| tok.token_id(t).is_some(),
-    )?;
+    let template = prompt::model_chat_template(tok)?;
     if template.origin() != TemplateOrigin::File {
         eprintln!("tessera: using {}", template.origin());
     }
     Ok(template)
-}
-
-/// What ends a chat reply: the vocabulary's EOS and EOT ids, and the token of the
-/// template's end-of-turn text where the vocabulary has one.
-fn chat_stop_tokens(tok: &Tokenizer, template: &ChatTemplate) -> Vec<u32> {
-    let mut ids = stop_tokens(tok);
-    if let Some(id) = template.end_of_turn().and_then(|t| tok.token_id(t.trim())) {
-        if !ids.contains(&id) {
-            ids.push(id);
-        }
-    }
-    ids
 }
 
 /// The summary line's words for why generation stopped.
@@ -318,13 +294,15 @@ pub fn generate(
         None => None,
     };
     let load_time = t0.elapsed();
-    let (ids, stops) = if chat_template {
+    let Prompt {
+        ids,
+        stop_tokens: stops,
+    } = if chat_template {
         let template = self::chat_template(&tok)?;
-        let text = template.render(&[Message::user(prompt)], true)?;
-        // The rendered text carries its own BOS where the template wants one.
-        (tok.encode(&text, false)?, chat_stop_tokens(&tok, &template))
+        let turn = [Message::user(prompt)];
+        Prompt::new(&tok, Some(&template), PromptInput::Chat(&turn))?
     } else {
-        (tok.encode(prompt, true)?, stop_tokens(&tok))
+        Prompt::new(&tok, None, PromptInput::Text(prompt))?
     };
     let (mut session, reused, scheme) =
         open_session(&model, kv, &ids, prefill_chunk, prompt_cache, spec.slack())?;
@@ -411,7 +389,7 @@ pub fn chat(
         None => None,
     };
     let template = chat_template(&tok)?;
-    let stops = chat_stop_tokens(&tok, &template);
+    let stops = prompt::chat_stop_tokens(&tok, &template);
     // A prompt cache starts every conversation (also after /reset); each turn keeps the
     // prefix it shares with it.
     let base = match prompt_cache {
@@ -680,10 +658,6 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
             None
         }
     };
-    let chat_stops = match &template {
-        Some(t) => chat_stop_tokens(&tok, t),
-        None => stop_tokens(&tok),
-    };
     let model_name = match &margs.model {
         Some(m) if !m.exists() => m.display().to_string(),
         _ => path.file_stem().map_or_else(
@@ -707,8 +681,6 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
         model_name,
         api_key: args.api_key,
         engine: tessera_server::engine::EngineParts {
-            stop_tokens: stop_tokens(&tok),
-            chat_stop_tokens: chat_stops,
             model,
             tokenizer: tok,
             scheme,

@@ -8,7 +8,9 @@
 //! prompts through one;
 //! [`eval`] measures perplexity and KL divergence per KV scheme; [`store`] fetches and
 //! verifies the default model.
-//! [`chat`] renders a model's Jinja chat template (or a built-in one) into a prompt.
+//! [`chat`] renders a model's Jinja chat template (or a built-in one) into a prompt;
+//! [`prompt`] tokenizes a completion prompt or a conversation the one way every front end
+//! uses, with the tokens that end its generation.
 
 mod batch;
 pub mod chat;
@@ -16,6 +18,7 @@ mod error;
 pub mod eval;
 mod generate;
 pub mod prefix;
+pub mod prompt;
 pub mod prompt_cache;
 mod sampler;
 mod session;
@@ -30,6 +33,7 @@ pub use batch::{
 pub use error::EngineError;
 pub use generate::{Generation, StopReason, TextStream};
 pub use prefix::PrefixCache;
+pub use prompt::{Prompt, PromptInput};
 pub use sampler::{argmax, Dist, Sampler, SamplerConfig};
 pub use session::{log_softmax, Session, DEFAULT_PREFILL_CHUNK};
 pub use stop::{Released, StopText};

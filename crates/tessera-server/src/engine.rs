@@ -17,8 +17,8 @@ use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message};
 use tessera_engine::speculative::SpecStats;
 use tessera_engine::{
-    Batch, BatchLimits, BatchSpec, EngineError, Event, GenerationRequest, RequestId, SamplerConfig,
-    StopReason, TokenLogprobs,
+    Batch, BatchLimits, BatchSpec, EngineError, Event, GenerationRequest, Prompt, PromptInput,
+    RequestId, SamplerConfig, StopReason, TokenLogprobs,
 };
 use tessera_kv::KvScheme;
 use tessera_models::{Model, Tokenizer};
@@ -104,10 +104,6 @@ pub struct EngineParts {
     pub chat_template: Option<ChatTemplate>,
     /// Speculation inside the batch (`--spec ngram`); `None`: plain decode steps.
     pub spec: Option<BatchSpec>,
-    /// End of a completion: EOS (and EOT).
-    pub stop_tokens: Vec<u32>,
-    /// End of a chat reply: EOS, EOT and the template's end-of-turn token.
-    pub chat_stop_tokens: Vec<u32>,
 }
 
 /// A reply held back until the step's metrics are published, so that a client that has
@@ -390,8 +386,6 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
         prefix_cache,
         prompt_cache_dir,
         chat_template,
-        stop_tokens,
-        chat_stop_tokens,
         spec,
     } = parts;
     let dir = prompt_cache_dir.as_deref();
@@ -431,30 +425,23 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
     let mut outbox: Vec<Outgoing> = Vec::new();
     let context = model.context_length();
     let prepare = |job: &Job| -> Result<(Vec<u32>, usize, Vec<u32>), ApiError> {
-        let (prompt, stops) = match &job.input {
-            Input::Text(t) => (
-                tokenizer
-                    .encode(t, true)
-                    .map_err(|e| ApiError::invalid(e.to_string()).with_param("prompt"))?,
-                stop_tokens.clone(),
-            ),
-            Input::Tokens(ids) => (ids.clone(), stop_tokens.clone()),
+        let (input, param) = match &job.input {
+            Input::Text(t) => (PromptInput::Text(t), "prompt"),
+            Input::Tokens(ids) => (PromptInput::Tokens(ids), "prompt"),
             Input::Chat(messages) => {
-                let Some(template) = &chat_template else {
+                if chat_template.is_none() {
                     return Err(ApiError::invalid(
                         "this model has no usable chat template; use /v1/completions",
                     ));
-                };
-                let text = template
-                    .render(messages, true)
-                    .map_err(|e| engine_error(&e).with_param("messages"))?;
-                // The rendered text carries its own BOS where the template wants one.
-                let ids = tokenizer
-                    .encode(&text, false)
-                    .map_err(|e| ApiError::invalid(e.to_string()).with_param("messages"))?;
-                (ids, chat_stop_tokens.clone())
+                }
+                (PromptInput::Chat(messages), "messages")
             }
         };
+        let Prompt {
+            ids: prompt,
+            stop_tokens: stops,
+        } = Prompt::new(&tokenizer, chat_template.as_ref(), input)
+            .map_err(|e| ApiError::invalid(e.to_string()).with_param(param))?;
         if prompt.is_empty() {
             return Err(ApiError::invalid("the prompt is empty").with_param("prompt"));
         }
