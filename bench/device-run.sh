@@ -24,6 +24,10 @@
 #   budget8b  tessera serve --device cuda, synthetic Llama-3-8B, one --kv-budget (BUDGET8B_MIB,
 #           2048) for each scheme (BUDGET8B_KVS), 16 concurrent requests of ~4k-token prompts
 #           (BUDGET8B_LOAD: load.py's request flags): rows admitted and per-request speed
+#   ncustep  the GPU-only time of a decode step (GPU-step issue): tessera bench on the synthetic
+#           Llama-3-8B for NCU_KVS, then the same run under Nsight Compute (clocks and caches
+#           left alone), every kernel's duration in $OUT/ncu-*.csv (bench/ncu_steps.py sums
+#           them per step); NCU_DEPTH context first, NCU_SKIP launches unprofiled
 #   promptcache  tessera cache save --device cuda, generate --prompt-cache on cuda (== cold)
 #           and cpu, bench --prompt-cache on the synthetic 270M and 8B
 #   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
@@ -149,6 +153,17 @@ for _ in range(600):
           --label "cuda $kv budget ${BUDGET8B_MIB:-2048} MiB" \
           --metrics-url http://127.0.0.1:18080/metrics 2>&1 | tee -a $OUT/budget8b.txt
         kill $SP; wait $SP || true
+      done ;;
+    ncustep)
+      log ncustep; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      for kv in ${NCU_KVS:-affine:4}; do
+        b="bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --prompt-tokens 16 --repeat 1 --depth ${NCU_DEPTH:-0}"
+        $T $b --gen-tokens 32 2>&1 | tee -a $OUT/ncustep.txt
+        # NCU_SKIP: launches left unprofiled first (a deep run's context fill, ~1100 a chunk).
+        timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --cache-control none \
+          --launch-skip ${NCU_SKIP:-0} --launch-count ${NCU_COUNT:-12000} \
+          --metrics gpu__time_duration.sum --csv --log-file $OUT/ncu-${kv/:/}-d${NCU_DEPTH:-0}.csv \
+          $T $b --gen-tokens ${NCU_GEN:-8} > $OUT/ncu-${kv/:/}-d${NCU_DEPTH:-0}-bench.txt 2>&1 || echo "ncu: status $?"
       done ;;
     promptcache)
       # Prompt caches saved from the device (through the host) and loaded onto it: a prompt

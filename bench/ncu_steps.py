@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Sums Nsight Compute's per-kernel durations (bench/device-run.sh ncustep's CSV) per forward
+pass: a forward ends at its sampling kernel (`fast_argmax_f32`). Prints each forward's kernel
+count and GPU time, then the decode forwards' median, and the kernels that take most of one.
+
+    python3 bench/ncu_steps.py ncu-affine4.csv [--decode-from N]
+"""
+import csv, statistics, sys
+from collections import defaultdict
+
+
+def main():
+    path = sys.argv[1]
+    first_decode = int(sys.argv[sys.argv.index("--decode-from") + 1]) if "--decode-from" in sys.argv else 2
+    lines = [l for l in open(path) if not l.startswith("==")]
+    rows = list(csv.reader(lines))
+    hdr = rows[0]
+    name, metric, value = hdr.index("Kernel Name"), hdr.index("Metric Name"), hdr.index("Metric Value")
+    kernels = [(r[name], float(r[value].replace(",", "")) / 1e6) for r in rows[1:]
+               if len(r) == len(hdr) and r[metric] == "gpu__time_duration.sum"]
+    forwards, cur = [], []
+    for k in kernels:
+        cur.append(k)
+        if k[0] == "fast_argmax_f32":
+            forwards.append(cur)
+            cur = []
+    for i, f in enumerate(forwards):
+        print(f"forward {i}: {len(f)} kernels, {sum(v for _, v in f):.3f} ms on the GPU")
+    decode = forwards[first_decode:]
+    if not decode:
+        return
+    times = [sum(v for _, v in f) for f in decode]
+    print(f"decode forwards {len(decode)}: median {statistics.median(times):.3f} ms, "
+          f"{statistics.median(len(f) for f in decode):.0f} kernels")
+    per = defaultdict(lambda: [0, 0.0])
+    for name_, v in decode[len(decode) // 2]:
+        per[name_][0] += 1
+        per[name_][1] += v
+    for name_, (n, t) in sorted(per.items(), key=lambda x: -x[1][1])[:12]:
+        print(f"  {t:7.3f} ms  {n:4d}×  {name_}")
+
+
+if __name__ == "__main__":
+    main()
