@@ -134,16 +134,23 @@ fn a_choice_ended_by_a_stop_string_reports_its_cached_prompt_tokens() {
                 .iter()
                 .filter_map(|e| e["choices"][0]["text"].as_str().map(str::to_string))
                 .collect();
-            let finish = events
-                .iter()
-                .find_map(|e| e["choices"][0]["finish_reason"].as_str().map(str::to_string));
-            let usage = events.last().map(|e| e["usage"].clone()).unwrap_or_default();
+            let finish = events.iter().find_map(|e| {
+                e["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string)
+            });
+            let usage = events
+                .last()
+                .map(|e| e["usage"].clone())
+                .unwrap_or_default();
             (text, finish, usage)
         } else {
             let v = r.json();
             (
                 v["choices"][0]["text"].as_str().unwrap().to_string(),
-                v["choices"][0]["finish_reason"].as_str().map(str::to_string),
+                v["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string),
                 v["usage"].clone(),
             )
         };

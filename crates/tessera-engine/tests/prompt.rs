@@ -14,13 +14,18 @@ fn prompts_carry_one_bos_and_the_stop_tokens_of_their_kind() {
     let (_model, tok) = common::load(false);
     let special = tok.special();
     let bos = special.bos.expect("Gemma's vocabulary has a BOS");
-    let end_of_turn = tok.token_id("<end_of_turn>").expect("Gemma's end-of-turn token");
+    let end_of_turn = tok
+        .token_id("<end_of_turn>")
+        .expect("Gemma's end-of-turn token");
     let count = |ids: &[u32], id: u32| ids.iter().filter(|&&t| t == id).count();
 
     let text = Prompt::new(&tok, None, PromptInput::Text("The capital of France is")).unwrap();
     assert_eq!(text.ids[0], bos);
     assert_eq!(count(&text.ids, bos), 1);
-    assert_eq!(text.ids[1..], tok.encode("The capital of France is", false).unwrap()[..]);
+    assert_eq!(
+        text.ids[1..],
+        tok.encode("The capital of France is", false).unwrap()[..]
+    );
     assert!(text.stop_tokens.contains(&special.eos));
     assert_eq!(text.stop_tokens, stop_tokens(&tok));
 
@@ -35,7 +40,10 @@ fn prompts_carry_one_bos_and_the_stop_tokens_of_their_kind() {
     assert_eq!(count(&chat.ids, bos), 1, "the template's BOS only");
     let decoded = tok.decode(&chat.ids).unwrap();
     assert!(decoded.contains("Say hello."), "{decoded:?}");
-    assert!(decoded.ends_with("model\n"), "the assistant's turn is open: {decoded:?}");
+    assert!(
+        decoded.ends_with("model\n"),
+        "the assistant's turn is open: {decoded:?}"
+    );
     assert!(chat.stop_tokens.contains(&end_of_turn));
     assert!(chat.stop_tokens.contains(&special.eos));
     assert_eq!(chat.stop_tokens, chat_stop_tokens(&tok, &template));

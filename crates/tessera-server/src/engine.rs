@@ -150,6 +150,26 @@ impl Live {
         }
     }
 
+    /// The choice's end: the batch's last text, then its `Done` (for the caller to send once
+    /// the metrics count it). A stop string's tokens are cut with it, their logprobs too.
+    fn finish(
+        &mut self,
+        reason: StopReason,
+        text: String,
+        cached_tokens: usize,
+    ) -> (Outgoing, Finish) {
+        self.forward(text);
+        let finish = match reason {
+            StopReason::StopString => {
+                self.pending.clear();
+                Finish::Stop
+            }
+            StopReason::EndToken => Finish::Stop,
+            StopReason::MaxTokens | StopReason::ContextLimit => Finish::Length,
+        };
+        (self.done(finish, cached_tokens), finish)
+    }
+
     /// The choice's `Done`, for the caller to send once the metrics count it.
     fn done(&mut self, finish: Finish, cached_tokens: usize) -> Outgoing {
         let logprobs = std::mem::take(&mut self.pending);
@@ -621,17 +641,8 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                     let Some(mut l) = live.remove(&id) else {
                         continue;
                     };
-                    l.forward(text);
-                    let finish = match reason {
-                        StopReason::StopString => {
-                            // The tokens that made the stop string are cut with it.
-                            l.pending.clear();
-                            Finish::Stop
-                        }
-                        StopReason::EndToken => Finish::Stop,
-                        StopReason::MaxTokens | StopReason::ContextLimit => Finish::Length,
-                    };
-                    outbox.push(l.done(finish, cached_tokens));
+                    let (done, finish) = l.finish(reason, text, cached_tokens);
+                    outbox.push(done);
                     tally.finish(
                         match finish {
                             Finish::Stop => Outcome::Stop,
@@ -687,9 +698,8 @@ mod tests {
             l.pending.push(lp(token));
             l.forward(text.to_string());
         }
-        // What the Finished { reason: StopString } arm does.
-        l.pending.clear();
-        let (to, done) = l.done(Finish::Stop, 0);
+        let ((to, done), finish) = l.finish(StopReason::StopString, String::new(), 3);
+        assert!(matches!(finish, Finish::Stop));
         to.send(done).unwrap();
         let mut items = Vec::new();
         while let Ok(r) = rx.try_recv() {
@@ -701,7 +711,10 @@ mod tests {
         assert!(
             matches!(&items[1], StreamItem::Text { text, logprobs } if text == " " && logprobs == &[lp(" E")])
         );
-        assert!(matches!(&items[2], StreamItem::Done { logprobs, .. } if logprobs.is_empty()));
+        assert!(matches!(
+            &items[2],
+            StreamItem::Done { logprobs, cached_tokens: 3, .. } if logprobs.is_empty()
+        ));
         assert_eq!(items.len(), 3);
     }
 

@@ -307,7 +307,11 @@ impl Planes for PlainPlanes {
         _isa: Isa,
     ) -> Result<Option<Tensor>, KvError> {
         let q = q.contiguous()?;
-        let (c, d, dv) = (self.capacity, self.geometry.head_dim, self.geometry.value_dim);
+        let (c, d, dv) = (
+            self.capacity,
+            self.geometry.head_dim,
+            self.geometry.value_dim,
+        );
         let out = match (&self.keys, &self.values) {
             (Data::Bf16(k), Data::Bf16(v)) => decode::chunk_plain(&q, k, v, c, d, dv, g, scale)?,
             (Data::F16(k), Data::F16(v)) => decode::chunk_plain(&q, k, v, c, d, dv, g, scale)?,
