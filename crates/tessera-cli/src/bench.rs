@@ -10,16 +10,20 @@ use tessera_engine::{prompt_cache, Session, DEFAULT_PREFILL_CHUNK};
 use tessera_kv::{KvCache, KvScheme};
 use tessera_models::{LogitsMode, Model};
 
-/// Deterministic token ids in the ordinary-text range of the vocabulary.
+/// Deterministic token ids in the ordinary-text range of the vocabulary: past the first
+/// 1000 ids (where real vocabularies keep special and byte tokens), or in the upper three
+/// quarters of a vocabulary too small for that (a test model's).
 pub(crate) fn synthetic_tokens(n: usize, vocab: usize, bos: u32) -> Vec<u32> {
     let mut state = 0x2545_F491_4F6C_DD1Du64;
     let hi = vocab.min(200_000) as u64;
+    let lo = 1000.min(hi / 4);
+    let span = (hi - lo).max(1);
     std::iter::once(bos)
         .chain((1..n).map(|_| {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
-            (1000 + state % (hi - 1000)) as u32
+            (lo + state % span) as u32
         }))
         .collect()
 }
@@ -273,4 +277,30 @@ pub fn bench_prompt_cache(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::synthetic_tokens;
+
+    /// Every id inside the vocabulary, whatever its size (a vocabulary under 1000 ids made
+    /// out-of-range ids, and one of exactly 1000 divided by zero), and not all the same.
+    #[test]
+    fn synthetic_tokens_stay_inside_any_vocabulary() {
+        for vocab in [4, 10, 999, 1000, 1001, 4000, 262_144] {
+            let ids = synthetic_tokens(300, vocab, 1);
+            assert_eq!(ids.len(), 300);
+            assert!(
+                ids.iter().all(|&id| (id as usize) < vocab),
+                "vocabulary {vocab}"
+            );
+            assert!(
+                ids[1..].iter().any(|&id| id != ids[1]),
+                "vocabulary {vocab}"
+            );
+            if vocab > 4000 {
+                assert!(ids[1..].iter().all(|&id| id >= 1000), "vocabulary {vocab}");
+            }
+        }
+    }
 }
