@@ -295,19 +295,18 @@ impl KMatrix {
                 )
             };
         };
-        let pool = candle_core::utils::barrier_pool();
         let items = groups.len() * chunks;
         if m == 1 {
-            // A decode step: one contiguous share of the rows per thread, so each streams
-            // one run of memory that its prefetches stay ahead of.
-            let threads = pool.n_workers() + 1;
-            pool.execute_chunked(threads, |shares| {
-                for t in shares {
-                    (t * items / threads..(t + 1) * items / threads).for_each(run);
-                }
-            });
+            // A decode step: a contiguous run of rows per thread, cut at equal bytes.
+            let kb = self.k / QK;
+            let bytes = |item: usize| {
+                let part = &self.parts[groups[item].0];
+                let rows = (part.rows - groups[item].1).min(ROWS_PER_ITEM);
+                rows * kb * if part.q4 { Q4K_BYTES } else { Q6K_BYTES }
+            };
+            crate::shares::stream(items, bytes, run);
         } else {
-            pool.execute_chunked(items, |range| range.for_each(run));
+            candle_core::utils::barrier_pool().execute_chunked(items, |range| range.for_each(run));
         }
     }
 
@@ -489,14 +488,8 @@ impl Acts {
             };
             let src = &x[range.start * QK..range.end * QK];
             for (b, block) in src.chunks_exact(QK).enumerate() {
-                let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
-                let scale = amax / 127.0;
-                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                 let codes = &mut q[b * QK..(b + 1) * QK];
-                for (o, v) in codes.iter_mut().zip(block) {
-                    let y = v * inv;
-                    *o = (y + 0.5f32.copysign(y)).trunc() as i8;
-                }
+                let scale = crate::activation::quantize_block(block, codes);
                 d[b] = scale;
                 for (g, sum) in s16[b * 16..(b + 1) * 16].iter_mut().enumerate() {
                     *sum = codes[g * 16..(g + 1) * 16].iter().map(|&c| c as i16).sum();

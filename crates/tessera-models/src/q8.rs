@@ -211,18 +211,11 @@ impl Q8Matrix {
             // SAFETY: each weight-row tile writes only its own output columns.
             unsafe { self.tile_columns(&acts, tile * 4, out_ptr as *mut f32) };
         };
-        let pool = candle_core::utils::barrier_pool();
         if m == 1 {
-            // A decode step: one contiguous share of the rows per thread, each one stream
-            // that the row kernel's prefetches stay ahead of.
-            let threads = pool.n_workers() + 1;
-            pool.execute_chunked(threads, |shares| {
-                for t in shares {
-                    (t * tiles / threads..(t + 1) * tiles / threads).for_each(run);
-                }
-            });
+            // A decode step: a contiguous run of rows per thread (equal tiles: equal bytes).
+            crate::shares::stream(tiles, |_| 1, run);
         } else {
-            pool.execute_chunked(tiles, |range| range.for_each(run));
+            candle_core::utils::barrier_pool().execute_chunked(tiles, |range| range.for_each(run));
         }
     }
 
@@ -318,21 +311,14 @@ impl Q8Matrix {
     }
 }
 
-/// Q8_0 blocks of `x` as llama.cpp forms them: scale max|x| / 127, codes rounded half away
-/// from zero (written out so that it vectorizes instead of calling libm's `roundf`).
+/// Q8_0 blocks of `x` as llama.cpp forms them ([`crate::activation::quantize_block`]).
 fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32]) {
     for ((src, dst), scale_out) in x
         .chunks_exact(BLOCK)
         .zip(q.chunks_exact_mut(BLOCK))
         .zip(d.iter_mut())
     {
-        let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let scale = amax / 127.0;
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        for (o, v) in dst.iter_mut().zip(src) {
-            let y = v * inv;
-            *o = (y + 0.5f32.copysign(y)).trunc() as i8;
-        }
+        let scale = crate::activation::quantize_block(src, dst);
         *scale_out = scale;
     }
 }
