@@ -3,6 +3,7 @@
 mod bench;
 mod bench_rounds;
 mod commands;
+mod kv_config;
 mod plot;
 mod spec;
 
@@ -281,11 +282,47 @@ enum Command {
         #[arg(long)]
         api_key: Option<String>,
     },
+    /// Per-layer KV cache schemes: `auto` measures each layer's key and value sensitivity
+    /// on a text and writes the `--kv-config` file of least KL for a budget of bits.
+    KvConfig {
+        #[command(subcommand)]
+        action: KvConfigAction,
+    },
     /// List or fetch the built-in models, fetch the test vocabularies, describe a model
     /// file, or write a synthetic one.
     Model {
         #[command(subcommand)]
         action: ModelAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum KvConfigAction {
+    /// Probe each layer's keys and values (TurboQuant at 4 bits, one part at a time, the
+    /// weights dequantized to f32) on a calibration text, then give each part the width
+    /// (2 to 8 bits) that removes the most KL per byte within --budget.
+    Auto {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Calibration text.
+        #[arg(long)]
+        text: PathBuf,
+        /// Bits per stored K or V element, all in (codes and norms), e.g. 4.5.
+        #[arg(long)]
+        budget: f64,
+        /// Where to write the config (JSON); stdout without it.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Chunk length of the calibration runs (llama-perplexity's method).
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Chunks of the text scored per run.
+        #[arg(long, default_value_t = 2)]
+        chunks: usize,
+        /// Positions held in bf16 before the cache converts (quantized_kv_start), probed
+        /// and written as given.
+        #[arg(long, default_value_t = 0)]
+        kv_start: usize,
     },
 }
 
@@ -566,6 +603,28 @@ fn run(cli: Cli) -> Result<()> {
         Command::Cache {
             action: CacheAction::Info { file, json },
         } => commands::cache_info(&file, json),
+        Command::KvConfig {
+            action:
+                KvConfigAction::Auto {
+                    model,
+                    text,
+                    budget,
+                    out,
+                    ctx,
+                    chunks,
+                    kv_start,
+                },
+        } => kv_config::auto(
+            &model,
+            kv_config::AutoArgs {
+                text: &text,
+                budget,
+                out: out.as_deref(),
+                ctx,
+                chunks,
+                kv_start,
+            },
+        ),
         Command::Model {
             action: ModelAction::List,
         } => commands::list(),

@@ -6,7 +6,8 @@
 //! between decode steps, merged into the running batch and filtered out when they finish
 //! (continuous batching, with admission limits) — and [`generate_batch_greedy`] runs several
 //! prompts through one;
-//! [`eval`] measures perplexity and KL divergence per KV scheme; [`store`] fetches and
+//! [`eval`] measures perplexity and KL divergence per KV scheme, [`kv_auto`] chooses
+//! per-layer key and value widths from measured sensitivity; [`store`] fetches and
 //! verifies the default model.
 //! [`chat`] renders a model's Jinja chat template (or a built-in one) into a prompt;
 //! [`prompt`] tokenizes a completion prompt or a conversation the one way every front end
@@ -17,6 +18,7 @@ pub mod chat;
 mod error;
 pub mod eval;
 mod generate;
+pub mod kv_auto;
 pub mod prefix;
 pub mod prompt;
 pub mod prompt_cache;
