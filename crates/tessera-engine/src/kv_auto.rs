@@ -144,7 +144,9 @@ pub struct Costs {
 
 impl Costs {
     pub fn new(specs: &[LayerSpec]) -> Result<Self, EngineError> {
-        let mut seen: Vec<((usize, usize, usize), Vec<Vec<usize>>)> = Vec::new();
+        // Tables already built, by (kv_heads, head_dim, value_dim).
+        type Table = Vec<Vec<usize>>;
+        let mut seen: Vec<((usize, usize, usize), Table)> = Vec::new();
         let mut bytes = Vec::with_capacity(specs.len());
         for spec in specs {
             let shape = (spec.kv_heads, spec.head_dim, spec.value_dim);
@@ -209,20 +211,20 @@ pub fn allocate(
         // The purchase (one more bit on one part) that removes the most predicted KL per
         // byte and still fits.
         let mut best: Option<(f64, Allocation)> = None;
-        for l in 0..layers {
+        for (l, spec) in specs.iter().enumerate() {
             for key in [true, false] {
                 let (k, v) = current.bits[l];
                 let (bits, dim, s) = if key {
-                    (k, specs[l].head_dim, sens.key[l])
+                    (k, spec.head_dim, sens.key[l])
                 } else {
-                    (v, specs[l].value_dim, sens.value[l])
+                    (v, spec.value_dim, sens.value[l])
                 };
                 if bits >= MAX_BITS {
                     continue;
                 }
                 let mut next = current.clone();
                 next.bits[l] = if key { (k + 1, v) } else { (k, v + 1) };
-                let cost = (specs[l].kv_heads * dim) as f64;
+                let cost = (spec.kv_heads * dim) as f64;
                 let gain = s * (relative_error(dim, bits) - relative_error(dim, bits + 1));
                 let rate = gain / cost;
                 if best.as_ref().is_some_and(|(r, _)| *r >= rate) {
