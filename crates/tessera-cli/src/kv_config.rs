@@ -7,7 +7,7 @@ use crate::ModelArgs;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 use tessera_engine::eval::EvalMode;
-use tessera_engine::kv_auto::{self, Allocation, Costs, MIN_BITS, PROBE_BITS};
+use tessera_engine::kv_auto::{self, Allocation, Costs, PROBE_BITS};
 use tessera_kv::Retention;
 
 pub struct AutoArgs<'a> {
@@ -20,9 +20,6 @@ pub struct AutoArgs<'a> {
 }
 
 pub fn auto(margs: &ModelArgs, args: AutoArgs) -> Result<()> {
-    if !(args.budget.is_finite() && args.budget > 0.0) {
-        bail!("--budget {}: give bits per element, e.g. 4.5", args.budget);
-    }
     if let Some(out) = args.out {
         if out.is_dir() {
             bail!("--out {} is a directory", out.display());
@@ -42,16 +39,11 @@ pub fn auto(margs: &ModelArgs, args: AutoArgs) -> Result<()> {
     let special = tok.special();
     let bos = special.bos.filter(|_| special.add_bos);
     let specs = model.layer_specs();
+    // Checked before the probes, which take minutes.
     let costs = Costs::new(&specs)?;
-    let floor = costs.bits_per_element(&Allocation {
-        bits: vec![(MIN_BITS, MIN_BITS); specs.len()],
-    });
-    if args.budget < floor {
-        bail!(
-            "--budget {}: below the smallest allocation's {floor:.3} bits per element ({MIN_BITS}-bit keys and values)",
-            args.budget
-        );
-    }
+    costs
+        .check(args.budget)
+        .with_context(|| format!("--budget {}", args.budget))?;
     let mode = EvalMode::Chunks {
         ctx: args.ctx,
         chunks: Some(args.chunks),
@@ -64,7 +56,7 @@ pub fn auto(margs: &ModelArgs, args: AutoArgs) -> Result<()> {
         args.ctx
     );
     let sens = kv_auto::measure(&model, &ids, mode, bos, args.kv_start)?;
-    let allocation = kv_auto::allocate(&specs, &sens, args.budget)?;
+    let allocation = kv_auto::allocate(&specs, &costs, &sens, args.budget)?;
     print_table(&specs, &sens, &allocation);
     eprintln!(
         "{:.3} bits per element (budget {}), predicted KL vs bf16 {:.5}",

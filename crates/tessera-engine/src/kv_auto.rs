@@ -171,6 +171,20 @@ impl Costs {
         Ok(Costs { bytes, elements })
     }
 
+    /// An error unless `budget` affords at least [`MIN_BITS`] on every part.
+    pub fn check(&self, budget: f64) -> Result<(), EngineError> {
+        let floor = self.bits_per_element(&Allocation {
+            bits: vec![(MIN_BITS, MIN_BITS); self.bytes.len()],
+        });
+        if budget.is_nan() || budget < floor {
+            return Err(EngineError::Invalid(format!(
+                "a budget of {budget} bits per element is below the smallest allocation's \
+                 {floor:.3} ({MIN_BITS}-bit keys and values)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Bits per stored K or V element, all in (codes, norms), of `allocation`.
     pub fn bits_per_element(&self, allocation: &Allocation) -> f64 {
         let bytes: usize = allocation
@@ -186,6 +200,7 @@ impl Costs {
 /// The widths of least predicted KL whose bits per element stay within `budget`.
 pub fn allocate(
     specs: &[LayerSpec],
+    costs: &Costs,
     sens: &Sensitivity,
     budget: f64,
 ) -> Result<Allocation, EngineError> {
@@ -197,16 +212,10 @@ pub fn allocate(
             sens.value.len()
         )));
     }
-    let costs = Costs::new(specs)?;
+    costs.check(budget)?;
     let mut current = Allocation {
         bits: vec![(MIN_BITS, MIN_BITS); layers],
     };
-    let floor = costs.bits_per_element(&current);
-    if budget.is_nan() || budget < floor {
-        return Err(EngineError::Invalid(format!(
-            "a budget of {budget} bits per element is below the smallest allocation's {floor:.3}"
-        )));
-    }
     loop {
         // The purchase (one more bit on one part) that removes the most predicted KL per
         // byte and still fits.
@@ -299,7 +308,7 @@ mod tests {
             }
         }
         for budget in [2.6, 3.3, 4.0, 4.5, 6.0] {
-            let got = allocate(&specs, &sens, budget).unwrap();
+            let got = allocate(&specs, &costs, &sens, budget).unwrap();
             let got_bits = costs.bits_per_element(&got);
             assert!(got_bits <= budget, "{got_bits} over {budget}");
             let got_kl = predicted_kl(&specs, &sens, &got);
@@ -320,7 +329,11 @@ mod tests {
             key: vec![0.1; 3],
             value: vec![0.1; 3],
         };
-        let err = allocate(&specs(3), &sens, 2.0).unwrap_err().to_string();
+        let specs = specs(3);
+        let costs = Costs::new(&specs).unwrap();
+        let err = allocate(&specs, &costs, &sens, 2.0)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("below the smallest"), "{err}");
     }
 
