@@ -11,8 +11,24 @@ use crate::rows::Rows;
 use crate::{Codec, Isa, KvError, LayerSpec, PlainDType};
 use candle_core::Device;
 
-/// The version of [`CacheState`]'s layout; a state of another version is refused.
-pub const STATE_VERSION: u32 = 1;
+/// The version of [`CacheState`]'s layout; a state of another version is refused, except
+/// as [`readable_version`] allows.
+///
+/// Version 2: the turbo codebooks moved to their converged Lloyd–Max levels (the outer
+/// levels by 1% at 4 bits, up to 40% at 8), so version 1's turbo codes decode otherwise.
+pub const STATE_VERSION: u32 = 2;
+
+/// Whether a state of `version` decodes as written: this version, or version 1 without
+/// turbo layers (the one thing version 2 changed).
+fn readable_version(state: &CacheState) -> bool {
+    let turbo = |c: &Codec| matches!(c, Codec::Turbo { .. });
+    state.version == STATE_VERSION
+        || (state.version == 1
+            && !state
+                .layers
+                .iter()
+                .any(|l| turbo(&l.planes.codec) || l.target.as_ref().is_some_and(turbo)))
+}
 
 /// One layer cache as data.
 #[derive(Debug, Clone, PartialEq)]
@@ -155,9 +171,10 @@ impl KvCache {
 
     /// The cache `state` describes, on `device`.
     pub fn from_state(state: &CacheState, device: &Device) -> Result<KvCache, KvError> {
-        if state.version != STATE_VERSION {
+        if !readable_version(state) {
             return Err(KvError::BadState(format!(
-                "cache state version {} (this build reads version {STATE_VERSION})",
+                "cache state version {} (this build reads version {STATE_VERSION}, and version 1 \
+                 without turbo layers, whose codebooks have changed since)",
                 state.version
             )));
         }

@@ -289,6 +289,30 @@ fn wrong_version_is_refused() {
     }
 }
 
+/// Version 1 differs from version 2 only in the turbo codebooks: its other states are read,
+/// turbo ones (planes or conversion target) are refused by name.
+#[test]
+fn version_1_is_read_unless_it_holds_turbo_codes() {
+    let turbo = |kbits, vbits| Codec::Turbo {
+        kbits,
+        vbits,
+        prep: TurboPrep::ALL,
+    };
+    for codec in [
+        Codec::Plain(PlainDType::Bf16),
+        Codec::Affine { bits: 4, group: 64 },
+    ] {
+        let mut state = valid(codec, None);
+        state.version = 1;
+        assert!(KvCache::from_state(&state, &Device::Cpu).is_ok(), "{codec}");
+    }
+    for codec in [turbo(4, 3), turbo(8, 8)] {
+        let mut state = valid(codec, None);
+        state.version = 1;
+        refused(&state, &["version 1", "turbo"], &codec.to_string());
+    }
+}
+
 #[test]
 fn truncated_and_wrongly_sized_buffers_are_refused() {
     for codec in codecs() {

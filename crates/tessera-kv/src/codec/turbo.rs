@@ -124,15 +124,20 @@ impl Codebook {
     pub fn lloyd_max(dim: usize, bits: u8) -> Self {
         let (xs, ws) = coordinate_density(dim);
         let k = 1usize << bits;
-        // Start from equal-probability cells; Lloyd's iteration then converges monotonically.
+        // Start from the high-rate optimum: cells of equal mass under density^(1/3) (the
+        // compander of Panter and Dite). Lloyd's iteration moves a codebook only slowly, so
+        // its start decides what 300 iterations reach: from equal-probability cells the
+        // 8-bit book ended 2.8× above the optimum's squared error (6 bits 18%, 7 bits 75%).
+        let cube: Vec<f64> = ws.iter().map(|w| w.cbrt()).collect();
+        let cube_total: f64 = cube.iter().sum();
         let mut levels = Vec::with_capacity(k);
         let (mut acc, mut cell, mut mass, mut moment) = (0.0, 0usize, 0.0, 0.0);
-        for (x, w) in xs.iter().zip(&ws) {
-            acc += w;
+        for ((x, w), c) in xs.iter().zip(&ws).zip(&cube) {
+            acc += c / cube_total;
             mass += w;
             moment += w * x;
             if acc >= (cell + 1) as f64 / k as f64 && cell + 1 < k {
-                levels.push(moment / mass);
+                levels.push(if mass > 0.0 { moment / mass } else { *x });
                 (cell, mass, moment) = (cell + 1, 0.0, 0.0);
             }
         }
@@ -264,6 +269,24 @@ mod tests {
                 assert!(
                     (mse - paper).abs() <= 0.05 * paper,
                     "dim {dim} bits {bits}: {mse} vs the paper's {paper}"
+                );
+            }
+        }
+    }
+
+    /// At 5–8 bits the codebooks sit at the high-rate optimum (Panter–Dite: total squared
+    /// error π√3/2 · 2^(−2·bits) for a unit vector, the coordinates ≈ N(0, 1/d)), which the
+    /// best scalar quantizer approaches from below as bits grow.
+    #[test]
+    fn wide_codebooks_reach_the_high_rate_optimum() {
+        for dim in [64, 256] {
+            for bits in 5u8..=8 {
+                let book = Codebook::lloyd_max(dim, bits);
+                let mse = book.coordinate_mse(dim) * dim as f64;
+                let bound = std::f64::consts::PI * 3f64.sqrt() / 2.0 * 0.25f64.powi(bits as i32);
+                assert!(
+                    mse <= bound && mse >= 0.9 * bound,
+                    "dim {dim} bits {bits}: {mse} against the high-rate optimum {bound}"
                 );
             }
         }
