@@ -611,7 +611,11 @@ unsafe fn row_dot_body<const VNNI: bool>(w: &Q8Matrix, a: &QuantizedActs, j: usi
         let av = _mm256_loadu_si256(a.q.as_ptr().add(b * BLOCK) as *const __m256i);
         let dot = block_dot::<VNNI>(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
         let scale = _mm256_set1_ps(f16_bits_to_f32(*wd.add(b)) * *a.d.get_unchecked(b));
-        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[b & 1]);
+        // The multi-row kernels' order, so a row's output does not depend on the batch it
+        // is in: VNNI's pair blocks in two halves (even and odd blocks apart), AVX2's tile
+        // one accumulator.
+        let lane = if VNNI { b & 1 } else { 0 };
+        acc[lane] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[lane]);
     }
     let v = _mm256_add_ps(acc[0], acc[1]);
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -1023,6 +1027,53 @@ pub(crate) mod tests {
                         assert!(
                             (g - exact).abs() <= tol,
                             "{isa} (m {m} n {n} k {k}) [{i},{j}]: {g} vs exact {exact} (bound {tol})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row's output does not depend on the rows batched with it (a greedy request gives
+    /// the same tokens alone and beside others): at every level, each row of a few-row
+    /// matmul equals that row's matmul alone, bit for bit, for Q8_0 and the own K-quant
+    /// kernels (up to their row limit; candle takes more rows).
+    #[test]
+    fn rows_come_out_the_same_alone_and_batched() {
+        let dev = Device::Cpu;
+        let (n, k) = (37, 512);
+        for isa in Isa::supported() {
+            for (dtype, rows) in [
+                (GgmlDType::Q8_0, &[2usize, 3, 5][..]),
+                (GgmlDType::Q4K, &[2, crate::kquant::OWN_MAX_ROWS][..]),
+                (GgmlDType::Q6K, &[2, crate::kquant::OWN_MAX_ROWS][..]),
+            ] {
+                let w = Tensor::from_vec(data(n * k, 7), (n, k), &dev).unwrap();
+                let lin = Linear::new(QTensor::quantize(&w, dtype).unwrap(), false, isa).unwrap();
+                for &m in rows {
+                    let x = data(m * k, 8);
+                    let batched: Vec<f32> = lin
+                        .forward(&Tensor::from_vec(x.clone(), (1, m, k), &dev).unwrap())
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    for i in 0..m {
+                        let row = Tensor::from_vec(x[i * k..(i + 1) * k].to_vec(), (1, 1, k), &dev)
+                            .unwrap();
+                        let alone: Vec<f32> = lin
+                            .forward(&row)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&batched[i * n..(i + 1) * n]),
+                            bits(&alone),
+                            "{isa} {dtype:?}: row {i} of {m}"
                         );
                     }
                 }
