@@ -17,6 +17,8 @@ pub struct AutoArgs<'a> {
     pub ctx: usize,
     pub chunks: usize,
     pub kv_start: usize,
+    /// Pair codebooks at the widths that have one.
+    pub pairs: bool,
 }
 
 pub fn auto(margs: &ModelArgs, args: AutoArgs) -> Result<()> {
@@ -56,7 +58,7 @@ pub fn auto(margs: &ModelArgs, args: AutoArgs) -> Result<()> {
         args.ctx
     );
     let sens = kv_auto::measure(&model, &ids, mode, bos, args.kv_start)?;
-    let allocation = kv_auto::allocate(&specs, &costs, &sens, args.budget)?;
+    let allocation = kv_auto::allocate(&specs, &costs, &sens, args.budget, args.pairs)?;
     print_table(&specs, &sens, &allocation);
     eprintln!(
         "{:.3} bits per element (budget {}), predicted KL vs bf16 {:.5}",

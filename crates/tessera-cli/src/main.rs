@@ -323,6 +323,11 @@ enum KvConfigAction {
         /// and written as given.
         #[arg(long, default_value_t = 0)]
         kv_start: usize,
+        /// Scalar codebooks only, as the CUDA kernels read them. By default the 2–4-bit
+        /// widths code pairs of coordinates (`turbo:K:V:pairs`: less error at the same
+        /// bits; CPU reads only).
+        #[arg(long)]
+        scalar: bool,
     },
 }
 
@@ -613,6 +618,7 @@ fn run(cli: Cli) -> Result<()> {
                     ctx,
                     chunks,
                     kv_start,
+                    scalar,
                 },
         } => kv_config::auto(
             &model,
@@ -623,6 +629,7 @@ fn run(cli: Cli) -> Result<()> {
                 ctx,
                 chunks,
                 kv_start,
+                pairs: !scalar,
             },
         ),
         Command::Model {

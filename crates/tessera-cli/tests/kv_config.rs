@@ -51,6 +51,8 @@ fn an_auto_config_within_its_budget_beats_the_uniform_presets_on_another_text() 
         .map(|l| l["scheme"].as_str().unwrap())
         .collect();
     assert!(schemes.len() > 1, "{config}");
+    // Pair codebooks by default, at the widths that have one.
+    assert!(schemes.iter().all(|s| s.ends_with(":pairs")), "{config}");
 
     let (code, stdout, stderr) = tessera(&[
         "eval",
@@ -64,7 +66,7 @@ fn an_auto_config_within_its_budget_beats_the_uniform_presets_on_another_text() 
         "--chunks",
         "3",
         "--kv",
-        "turbo:5:3,turbo:4",
+        "turbo:5:3,turbo:4,turbo:5:3:pairs,turbo:4:pairs",
         "--kv-config",
         &out_s,
         "--json",

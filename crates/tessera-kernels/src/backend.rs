@@ -5,8 +5,9 @@
 //! ordered without host synchronization.
 //!
 //! Served: bf16 (plain), affine 4/8 bits with groups of 32, 64 or 128, and TurboQuant of
-//! 2..=8 bits, for head dims of 64, 128 or 256 with keys and values of one width. Other
-//! codecs get an error naming them when the cache is first used on the device.
+//! 2..=8 bits (scalar codebooks: `:pairs` is refused), for head dims of 64, 128 or 256 with
+//! keys and values of one width. Other codecs get an error naming them when the cache is
+//! first used on the device.
 
 use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Scratch, TurboDevice};
 use crate::PLANES_CU;
@@ -177,6 +178,9 @@ fn gpu_codec(codec: Codec, g: PlaneGeometry) -> Result<GpuCodec, String> {
         },
         Codec::Affine { .. } => return Err("the CUDA kernels cover affine 4 and 8 bits".into()),
         Codec::Plain(_) => return Err("the CUDA cache stores plain keys in bf16".into()),
+        Codec::Turbo { prep, .. } if prep.pairs => {
+            return Err("the CUDA kernels read scalar turbo codes, not pair codebooks".into())
+        }
         Codec::Turbo { kbits, vbits, .. } => GpuCodec::Turbo { kbits, vbits },
     };
     if g.head_dim != g.value_dim || ![64, 128, 256].contains(&g.head_dim) {

@@ -48,6 +48,9 @@ fn main() {
         "turbo:4:3",
         "turbo:3",
         "turbo:8",
+        "turbo:4:pairs",
+        "turbo:4:3:pairs",
+        "turbo:3:pairs",
     ] {
         if only.as_deref().is_some_and(|o| o != kv) {
             continue;

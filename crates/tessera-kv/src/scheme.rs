@@ -55,30 +55,38 @@ pub enum Codec {
     },
 }
 
-/// The per-channel preparation a turbo layer fits on what its bf16 stage holds at
-/// conversion (see `turbo_prep`): each flag on unless the scheme names it off.
+/// A turbo layer's options: the per-channel preparations it fits on what its bf16 stage
+/// holds at conversion (see `turbo_prep`), each on unless the scheme names it off, and
+/// whether it codes pairs (off unless named).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TurboPrep {
     /// Keys centred on the layer's mean key per KV head (off: `:nomean`).
     pub key_mean: bool,
     /// Keys divided by per-channel scales, queries multiplied by them (off: `:noscale`).
     pub key_scale: bool,
+    /// Rotated coordinates coded two at a time against a 2-D codebook, at the widths that
+    /// have one (2–4 bits; see [`crate::codec::pairs`]). Off unless named: `:pairs`.
+    pub pairs: bool,
 }
 
 impl TurboPrep {
-    /// Every preparation on: the default.
+    /// The default: every key preparation on, scalar codebooks.
     pub const ALL: TurboPrep = TurboPrep {
         key_mean: true,
         key_scale: true,
+        pairs: false,
     };
 
-    /// The scheme-name suffixes of the preparations switched off.
+    /// The scheme-name suffixes of what differs from [`TurboPrep::ALL`].
     fn suffix(&self) -> String {
         let mut s = String::new();
         for (on, name) in [(self.key_mean, ":nomean"), (self.key_scale, ":noscale")] {
             if !on {
                 s.push_str(name);
             }
+        }
+        if self.pairs {
+            s.push_str(":pairs");
         }
         s
     }
@@ -141,7 +149,7 @@ const GLOBAL_ONLY: &str = ":global";
 const TURBO_BITS: std::ops::RangeInclusive<u32> = 2..=8;
 
 const SUPPORTED: &str =
-    "bf16, f16, f32, affine:BITS[:GROUP], turbo:KBITS[:VBITS][:nomean][:noscale]";
+    "bf16, f16, f32, affine:BITS[:GROUP], turbo:KBITS[:VBITS][:nomean][:noscale][:pairs]";
 
 impl KvScheme {
     pub fn uniform(codec: Codec) -> Self {
@@ -184,8 +192,8 @@ impl KvScheme {
 
 impl Codec {
     /// Parses one codec name: `bf16`, `f16`, `f32`, `affine:BITS[:GROUP]` (group 64 by
-    /// default), `turbo:KBITS[:VBITS][:nomean][:noscale]` (values as keys by
-    /// default; every [`TurboPrep`] on unless named off).
+    /// default), `turbo:KBITS[:VBITS][:nomean][:noscale][:pairs]` (values as keys by
+    /// default; the key preparations on unless named off, pair codebooks off unless named).
     pub fn parse(text: &str) -> Result<Self, KvError> {
         let unknown = || KvError::UnknownScheme {
             given: text.to_string(),
@@ -220,15 +228,17 @@ impl Codec {
                 let mut fields: Vec<&str> = parts.by_ref().collect();
                 let mut prep = TurboPrep::ALL;
                 while let Some(&last) = fields.last() {
-                    let flag = match last {
-                        "nomean" => &mut prep.key_mean,
-                        "noscale" => &mut prep.key_scale,
+                    // Each flag names the value it sets; a flag named twice is refused.
+                    let (flag, set) = match last {
+                        "nomean" => (&mut prep.key_mean, false),
+                        "noscale" => (&mut prep.key_scale, false),
+                        "pairs" => (&mut prep.pairs, true),
                         _ => break,
                     };
-                    if !*flag {
-                        return Err(unknown()); // named twice
+                    if *flag == set {
+                        return Err(unknown());
                     }
-                    *flag = false;
+                    *flag = set;
                     fields.pop();
                 }
                 let kbits: u32 = fields

@@ -262,6 +262,7 @@ fn check_rows(state: &LayerState) -> Result<(), KvError> {
 fn same_turbo(stage: Codec, target: Codec) -> bool {
     matches!(
         (stage, target),
-        (Codec::Turbo { kbits: a, vbits: b, .. }, Codec::Turbo { kbits: c, vbits: d, .. }) if a == c && b == d
+        (Codec::Turbo { kbits: a, vbits: b, prep: p }, Codec::Turbo { kbits: c, vbits: d, prep: q })
+            if a == c && b == d && p.pairs == q.pairs
     )
 }

@@ -334,6 +334,7 @@ fn device_planes_read_as_the_host_cache_does() {
             prep: TurboPrep {
                 key_mean: false,
                 key_scale: true,
+                pairs: false,
             },
         },
     ] {

@@ -585,6 +585,7 @@ fn named_reads_refused_on_quantized_storage_change_nothing() {
             prep: TurboPrep {
                 key_mean: false,
                 key_scale: false,
+                pairs: false,
             },
         },
     ];

@@ -721,6 +721,7 @@ fn quantized_reads_match_reference_when_converting_late() {
             prep: TurboPrep {
                 key_mean: false,
                 key_scale: true,
+                pairs: false,
             },
         },
         Codec::Turbo {
@@ -729,6 +730,7 @@ fn quantized_reads_match_reference_when_converting_late() {
             prep: TurboPrep {
                 key_mean: true,
                 key_scale: false,
+                pairs: false,
             },
         },
     ];
@@ -761,6 +763,7 @@ fn turbo_prep_fitted_per_row_when_padding_splits_a_wrapped_ring() {
         TurboPrep {
             key_mean: false,
             key_scale: true,
+            pairs: false,
         },
     ] {
         let codec = Codec::Turbo {
@@ -897,6 +900,7 @@ fn codec_strategy() -> impl Strategy<Value = Codec> {
                 prep: TurboPrep {
                     key_mean: p.0,
                     key_scale: p.1,
+                    pairs: false,
                 },
             }
         }),
@@ -998,11 +1002,28 @@ fn turbo_schemes_parse_account_and_refuse_bad_input() {
             prep: TurboPrep {
                 key_mean: false,
                 key_scale: true,
+                pairs: false,
             }
         }
     );
     assert_eq!(parsed.to_string(), "turbo:4:4:nomean");
     assert!(KvScheme::parse("turbo:4:noscale:noscale").is_err());
+    let pairs = KvScheme::parse("turbo:3:2:noscale:pairs").unwrap().default;
+    assert_eq!(
+        pairs,
+        Codec::Turbo {
+            kbits: 3,
+            vbits: 2,
+            prep: TurboPrep {
+                key_mean: true,
+                key_scale: false,
+                pairs: true,
+            }
+        }
+    );
+    assert_eq!(pairs.to_string(), "turbo:3:2:noscale:pairs");
+    assert_eq!(KvScheme::parse(&pairs.to_string()).unwrap().default, pairs);
+    assert!(KvScheme::parse("turbo:4:pairs:pairs").is_err());
     assert!(KvScheme::parse("turbo:4:nomeans").is_err());
     let err = KvScheme::parse("turbo:9:4").unwrap_err().to_string();
     assert!(err.contains("9-bit keys"), "{err}");
@@ -1031,6 +1052,42 @@ fn turbo_schemes_parse_account_and_refuse_bad_input() {
     assert!(err.contains("layer 1") && err.contains("96"), "{err}");
 }
 
+/// Pair codebooks (`:pairs`) store random vectors with less squared error than the scalar
+/// codebooks at the same bits: measured through the planes' own write and read, against
+/// the exact vectors (k-means on the pair density gains ~8% at 2 bits and ~13% at 3 and 4).
+#[test]
+fn pair_codebooks_lower_the_stored_error() {
+    let (n, d) = (400, 128);
+    let mut seed = 23;
+    let (_, x) = random((1, 1, n, d), &mut seed);
+    let t = Tensor::from_vec(x.clone(), (1, 1, n, d), &Device::Cpu).unwrap();
+    for (bits, gain) in [(2u8, 0.05), (3, 0.09), (4, 0.09)] {
+        let error = |pairs: bool| -> f64 {
+            let prep = TurboPrep {
+                pairs,
+                ..TurboPrep::ALL
+            };
+            let planes = TurboPlanes::new(bits, bits, 1, 1, d, d).with_prep(prep);
+            let stored: Vec<f32> = planes
+                .as_stored(0, &t, false)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            x.iter()
+                .zip(&stored)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum()
+        };
+        let (scalar, pairs) = (error(false), error(true));
+        assert!(
+            pairs <= (1.0 - gain) * scalar,
+            "{bits} bits: pairs {pairs:.4} against scalar {scalar:.4}"
+        );
+    }
+}
+
 /// Per-channel key scales lower the error of scores `q · k` against exact scores when the
 /// key channels are uneven (RMS from 0.1 to 10, as after a QK-norm's learned weights), for
 /// queries of even channels; and with even channels they change little.
@@ -1045,6 +1102,7 @@ fn key_scales_lower_score_error_on_uneven_channels() {
         let prep = TurboPrep {
             key_mean: true,
             key_scale: scale,
+            pairs: false,
         };
         planes
             .fit_key_prep(k, std::slice::from_ref(&(0..n)), prep)

@@ -1139,6 +1139,7 @@ const TURBO: [Codec; 2] = [
         prep: TurboPrep {
             key_mean: false,
             key_scale: false,
+            pairs: false,
         },
     },
 ];

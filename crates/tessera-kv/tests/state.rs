@@ -63,6 +63,15 @@ fn codecs() -> Vec<Codec> {
             prep: TurboPrep {
                 key_mean: false,
                 key_scale: false,
+                pairs: false,
+            },
+        },
+        Codec::Turbo {
+            kbits: 3,
+            vbits: 2,
+            prep: TurboPrep {
+                pairs: true,
+                ..TurboPrep::ALL
             },
         },
     ]

@@ -214,10 +214,12 @@ fn planes_parity(gpu: &Device, tally: &mut Tally) -> Result<()> {
     let none = TurboPrep {
         key_mean: false,
         key_scale: false,
+        pairs: false,
     };
     let scale_only = TurboPrep {
         key_mean: false,
         key_scale: true,
+        pairs: false,
     };
     let mut cases: Vec<(Codec, usize)> = vec![(Codec::Plain(PlainDType::Bf16), 128)];
     for (bits, group) in [(4u8, 32u16), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)] {
@@ -417,6 +419,7 @@ fn cache_parity(gpu: &Device, tally: &mut Tally) -> Result<()> {
             prep: TurboPrep {
                 key_mean: false,
                 key_scale: true,
+                pairs: false,
             },
         },
     ] {
@@ -727,6 +730,7 @@ fn row_ops_parity(gpu: &Device, tally: &mut Tally) -> Result<()> {
     let none = TurboPrep {
         key_mean: false,
         key_scale: false,
+        pairs: false,
     };
     for codec in [
         Codec::Plain(PlainDType::Bf16),

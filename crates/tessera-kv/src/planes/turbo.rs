@@ -8,7 +8,8 @@ use super::{
     check_span, check_state, copy_slots, from_bytes, same_kind, to_bytes, ChunkGeometry,
     PlaneGeometry, Planes, PlanesState, RowSlots,
 };
-use crate::codec::affine::{get_code, put_code};
+use crate::codec::affine::put_code;
+use crate::codec::pairs::{PairBook, PAIR_BITS};
 use crate::codec::prep::ChannelPrep;
 use crate::codec::turbo::{Codebook, Rotation};
 use crate::read::decode::DecodeShape;
@@ -33,10 +34,62 @@ pub(crate) struct TurboPlane {
     norms: Vec<f16>,
     rotation: Rotation,
     book: Codebook,
+    /// The pair codebook the coordinates are coded with instead of `book`, two at a time,
+    /// where asked for and the width has one ([`PAIR_BITS`]).
+    pairs: Option<PairBook>,
+    /// What a code decodes to, padded to 256 entries so that a code masked to 8 bits indexes
+    /// it without a bounds check: the levels, or the pair points' first coordinates, and
+    /// (pairs only) their second coordinates.
+    table: [[f32; 256]; 2],
+}
+
+/// `values` padded with zeros to 256 entries.
+fn padded(values: &[f32]) -> [f32; 256] {
+    let mut t = [0f32; 256];
+    t[..values.len().min(256)].copy_from_slice(&values[..values.len().min(256)]);
+    t
+}
+
+/// The codes of a plane row in storage order: a little-endian bit stream over its words
+/// (code i at bit i·width, as `put_code` writes them), read without per-code address
+/// arithmetic.
+struct CodeStream<'a> {
+    words: std::slice::Iter<'a, u32>,
+    held: u64,
+    count: u32,
+}
+
+impl<'a> CodeStream<'a> {
+    fn new(words: &'a [u32]) -> Self {
+        CodeStream {
+            words: words.iter(),
+            held: 0,
+            count: 0,
+        }
+    }
+
+    /// The next `width`-bit code (`width` ≤ 8).
+    #[inline(always)]
+    fn next(&mut self, width: u32) -> usize {
+        if self.count < width {
+            self.held |= (self.words.next().copied().unwrap_or(0) as u64) << self.count;
+            self.count += 32;
+        }
+        let code = (self.held & ((1u64 << width) - 1)) as usize;
+        self.held >>= width;
+        self.count -= width;
+        code & 0xff
+    }
 }
 
 impl TurboPlane {
-    fn new(dim: usize, bits: u8, seed: u64) -> Self {
+    fn new(dim: usize, bits: u8, seed: u64, pairs: bool) -> Self {
+        let book = Codebook::shared(dim, bits);
+        let pairs = (pairs && PAIR_BITS.contains(&bits)).then(|| PairBook::shared(dim, bits));
+        let table = match &pairs {
+            Some(p) => [padded(p.xs()), padded(p.ys())],
+            None => [padded(&book.levels), [0.0; 256]],
+        };
         TurboPlane {
             dim,
             bits,
@@ -44,7 +97,9 @@ impl TurboPlane {
             codes: Vec::new(),
             norms: Vec::new(),
             rotation: Rotation::new(dim, seed),
-            book: Codebook::shared(dim, bits),
+            book,
+            pairs,
+            table,
         }
     }
 
@@ -71,19 +126,40 @@ impl TurboPlane {
         self.rotation.forward(&mut u);
         let words = &mut self.codes[at * self.words..(at + 1) * self.words];
         words.iter_mut().for_each(|w| *w = 0);
-        for (i, &c) in u.iter().enumerate() {
-            put_code(words, i, self.bits, self.book.encode(c) as u32);
+        match &self.pairs {
+            // Pair p's code sits where coordinates 2p and 2p + 1 would have theirs.
+            Some(book) => {
+                for (p, xy) in u.chunks_exact(2).enumerate() {
+                    put_code(words, p, 2 * self.bits, book.encode(xy[0], xy[1]) as u32);
+                }
+            }
+            None => {
+                for (i, &c) in u.iter().enumerate() {
+                    put_code(words, i, self.bits, self.book.encode(c) as u32);
+                }
+            }
         }
         self.norms[at] = f16::from_f32(norm);
     }
 
-    /// The stored vector of slot `at` in the rotated space: norm × codebook levels.
+    /// The stored vector of slot `at` in the rotated space: norm × codebook levels (or pair
+    /// points).
     #[inline]
     pub fn rotated(&self, at: usize, out: &mut [f32]) {
-        let words = &self.codes[at * self.words..(at + 1) * self.words];
+        let mut codes = CodeStream::new(&self.codes[at * self.words..(at + 1) * self.words]);
         let norm = self.norms[at].to_f32();
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = norm * self.book.decode(get_code(words, i, self.bits) as u8);
+        let [first, second] = &self.table;
+        let width = self.bits as u32;
+        if self.pairs.is_some() {
+            for xy in out.chunks_exact_mut(2) {
+                let c = codes.next(2 * width);
+                xy[0] = norm * first[c];
+                xy[1] = norm * second[c];
+            }
+        } else {
+            for o in out.iter_mut() {
+                *o = norm * first[codes.next(width)];
+            }
         }
     }
 
@@ -105,8 +181,14 @@ impl TurboPlane {
         self.dim
     }
 
+    /// The scalar codebook's levels (unused where the plane codes pairs).
     pub fn levels(&self) -> &[f32] {
         &self.book.levels
+    }
+
+    /// The pair codebook, where the plane codes pairs.
+    pub fn pairs(&self) -> Option<&PairBook> {
+        self.pairs.as_ref()
     }
 
     /// Packed codes and norm of slot `at`.
@@ -150,6 +232,9 @@ pub struct TurboPlanes {
     key_prep: ChannelPrep,
     keys: TurboPlane,
     values: TurboPlane,
+    /// Whether the scheme asked for pair codebooks (`:pairs`; only widths in [`PAIR_BITS`]
+    /// have them, so a plane of another width codes scalars all the same).
+    pairs: bool,
 }
 
 fn bf16_values(x: &Tensor) -> Result<Vec<f32>, KvError> {
@@ -173,8 +258,9 @@ impl TurboPlanes {
             heads,
             capacity: 0,
             key_prep: ChannelPrep::default(),
-            keys: TurboPlane::new(head_dim, kbits, KEY_SEED),
-            values: TurboPlane::new(value_dim, vbits, VALUE_SEED),
+            keys: TurboPlane::new(head_dim, kbits, KEY_SEED, false),
+            values: TurboPlane::new(value_dim, vbits, VALUE_SEED, false),
+            pairs: false,
         }
     }
 
@@ -187,6 +273,12 @@ impl TurboPlanes {
             prep.key_mean,
             prep.key_scale,
         );
+        if prep.pairs != self.pairs {
+            let (k, v) = (&self.keys, &self.values);
+            self.keys = TurboPlane::new(k.dim, k.bits, KEY_SEED, prep.pairs);
+            self.values = TurboPlane::new(v.dim, v.bits, VALUE_SEED, prep.pairs);
+            self.pairs = prep.pairs;
+        }
         self
     }
 
@@ -203,6 +295,7 @@ impl TurboPlanes {
         TurboPrep {
             key_mean: self.key_prep.centered(),
             key_scale: self.key_prep.scaled(),
+            pairs: self.pairs,
         }
     }
 
@@ -313,6 +406,7 @@ impl Planes for TurboPlanes {
             ),
             keys: empty(&self.keys),
             values: empty(&self.values),
+            pairs: self.pairs,
         }))
     }
 

@@ -36,6 +36,7 @@ impl TurboSource<'_> {
             Some(x86::Wide::ByteWindow) => {
                 return unsafe { x86::decode_rows_any(plane, at, slots, out) }
             }
+            Some(x86::Wide::Pairs) => return unsafe { x86::decode_pairs(plane, at, slots, out) },
             None => {}
         }
         for (slot, row) in slots.zip(out.chunks_exact_mut(plane.dim())) {
@@ -95,6 +96,9 @@ mod x86 {
         LaneMajor,
         /// Any width: element order kept.
         ByteWindow,
+        /// Pair codebooks: the byte window's extraction of `2·bits`-bit pair codes, both
+        /// coordinates looked up and interleaved back into element order.
+        Pairs,
     }
 
     /// The 512-bit decoding of `plane` at `isa` (capped to the CPU's by the caller), if its
@@ -102,6 +106,9 @@ mod x86 {
     pub fn available(plane: &TurboPlane, isa: Isa) -> Option<Wide> {
         if !isa.avx512() {
             return None;
+        }
+        if plane.pairs().is_some() {
+            return (plane.dim() % 32 == 0).then_some(Wide::Pairs);
         }
         let (dim, bits) = (plane.dim(), plane.bits() as usize);
         if matches!(bits, 2 | 4) && (dim * bits) % 512 == 0 {
@@ -196,6 +203,87 @@ mod x86 {
             }
         }
     }
+
+    /// Entries `c` of a table of `points` (16, 64 or 256) values, held in `t` up to 64.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn lookup(points: usize, c: __m512i, t: &[__m512; 4], table: &[f32; 256]) -> __m512 {
+        match points {
+            0..=16 => _mm512_permutexvar_ps(c, t[0]),
+            17..=64 => {
+                let lo = _mm512_permutex2var_ps(t[0], c, t[1]);
+                let hi = _mm512_permutex2var_ps(t[2], c, t[3]);
+                let upper = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+                _mm512_mask_blend_ps(upper, lo, hi)
+            }
+            _ => _mm512_i32gather_ps::<4>(c, table.as_ptr()),
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL and [`available`] must give `Pairs` for `plane`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    pub unsafe fn decode_pairs(
+        plane: &TurboPlane,
+        at: usize,
+        slots: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let Some(book) = plane.pairs() else {
+            return;
+        };
+        // 16 pair codes of `width` (4, 6 or 8) bits per step: 2·width ≤ 16 bytes.
+        let (dim, width) = (plane.dim(), 2 * plane.bits() as usize);
+        let points = book.xs().len();
+        let (mut xs, mut ys) = ([0f32; 256], [0f32; 256]);
+        xs[..points].copy_from_slice(book.xs());
+        ys[..points].copy_from_slice(book.ys());
+        let tx: [__m512; 4] = std::array::from_fn(|i| _mm512_loadu_ps(xs.as_ptr().add(16 * i)));
+        let ty: [__m512; 4] = std::array::from_fn(|i| _mm512_loadu_ps(ys.as_ptr().add(16 * i)));
+        let mut lane_shuffle = [-1i8; 64];
+        let mut shifts = [0i32; 16];
+        for (j, shift) in shifts.iter_mut().enumerate() {
+            let byte = (j * width) / 8;
+            lane_shuffle[4 * j] = byte as i8;
+            lane_shuffle[4 * j + 1] = (byte + 1).min(15) as i8;
+            *shift = ((j * width) % 8) as i32;
+        }
+        let shuffle = _mm512_loadu_si512(lane_shuffle.as_ptr().cast());
+        let shifts = _mm512_loadu_si512(shifts.as_ptr().cast());
+        let mask = _mm512_set1_epi32((1 << width) - 1);
+        let window: __mmask16 = ((1u32 << (2 * width)) - 1) as __mmask16;
+        // Interleaving: element 2i is pair i's x (lanes 0–15 of the first operand), 2i + 1
+        // its y (16–31: the second operand's).
+        let (mut low, mut high) = ([0i32; 16], [0i32; 16]);
+        for i in 0..16 {
+            let (pair, y) = (i as i32 / 2, 16 * (i as i32 % 2));
+            (low[i], high[i]) = (pair + y, 8 + pair + y);
+        }
+        let low = _mm512_loadu_si512(low.as_ptr().cast());
+        let high = _mm512_loadu_si512(high.as_ptr().cast());
+        for (slot, row) in slots.zip(out.chunks_exact_mut(dim)) {
+            let (codes, norm) = plane.slot(at + slot);
+            assert!(codes.len() * 32 >= dim * width / 2);
+            let bytes = codes.as_ptr().cast::<i8>();
+            let norm = _mm512_set1_ps(norm);
+            for (g, cols) in row.chunks_exact_mut(32).enumerate() {
+                let x = _mm_maskz_loadu_epi8(window, bytes.add(g * 2 * width));
+                let x = _mm512_broadcast_i32x4(x);
+                let c = _mm512_and_si512(
+                    _mm512_srlv_epi32(_mm512_shuffle_epi8(x, shuffle), shifts),
+                    mask,
+                );
+                let (px, py) = (lookup(points, c, &tx, &xs), lookup(points, c, &ty, &ys));
+                let first = _mm512_mul_ps(_mm512_permutex2var_ps(px, low, py), norm);
+                let second = _mm512_mul_ps(_mm512_permutex2var_ps(px, high, py), norm);
+                _mm512_storeu_ps(cols.as_mut_ptr(), first);
+                _mm512_storeu_ps(cols.as_mut_ptr().add(16), second);
+            }
+        }
+    }
 }
 
 /// The tile source of `planes` at `isa` (capped to the CPU's): 512-bit decoding where the
@@ -252,21 +340,29 @@ mod tests {
     use crate::planes::Planes;
     use crate::read::affine_tiles::tests::{assert_permutation, code_bit_by_bit};
     use crate::read::decode::tests::values;
+    use crate::TurboPrep;
     use candle_core::Device;
 
     /// The rows a tile source fills (portable `rotated`, 512-bit lane-major or byte-window,
-    /// as the level and the geometry choose), held to `norm · levels[code]` with the codes
-    /// read bit by bit from the stored words.
+    /// as the level and the geometry choose), held to `norm · levels[code]` (or the pair
+    /// point's coordinate) with the codes read bit by bit from the stored words.
     #[test]
     fn decoded_rows_match_norm_times_level_at_every_level() {
         let (heads, slots, read) = (2, 6, 1..5);
         #[cfg(target_arch = "x86_64")]
         let mut kinds = std::collections::HashSet::new();
         for isa in Isa::supported() {
-            for bits in 2..=8u8 {
+            for (bits, pairs) in (2..=8u8)
+                .map(|b| (b, false))
+                .chain((2..=4).map(|b| (b, true)))
+            {
                 // 256 at 2 and 4 bits and 128 at 4 bits are lane-major; 8 is portable.
                 for (d, dv) in [(256, 128), (64, 8)] {
-                    let mut planes = TurboPlanes::new(bits, bits, 1, heads, d, dv);
+                    let prep = TurboPrep {
+                        pairs,
+                        ..TurboPrep::ALL
+                    };
+                    let mut planes = TurboPlanes::new(bits, bits, 1, heads, d, dv).with_prep(prep);
                     planes.reserve(slots, usize::MAX).unwrap();
                     let tensor = |seed, dim| {
                         let x = values(seed, heads * slots * dim);
@@ -282,7 +378,10 @@ mod tests {
                     for block in 0..heads {
                         for (which, plane) in [key_plane, value_plane].into_iter().enumerate() {
                             let dim = plane.dim();
-                            let what = format!("{isa}, {bits} bits, dim {dim}, block {block}");
+                            assert_eq!(plane.pairs().is_some(), pairs);
+                            let what = format!(
+                                "{isa}, {bits} bits, pairs {pairs}, dim {dim}, block {block}"
+                            );
                             let order = tiles.order[which].as_deref();
                             if let Some(order) = order {
                                 assert_permutation(order, dim);
@@ -296,8 +395,18 @@ mod tests {
                                 let (words, norm) = plane.slot(block * planes.capacity() + slot);
                                 for c in 0..dim {
                                     let e = order.map_or(c, |o| o[c]);
-                                    let code = code_bit_by_bit(words, e, bits as usize);
-                                    let want = norm as f64 * plane.levels()[code] as f64;
+                                    let level = match plane.pairs() {
+                                        Some(book) => {
+                                            let code =
+                                                code_bit_by_bit(words, e / 2, 2 * bits as usize);
+                                            let (x, y) = book.decode(code as u16);
+                                            [x, y][e % 2]
+                                        }
+                                        None => {
+                                            plane.levels()[code_bit_by_bit(words, e, bits as usize)]
+                                        }
+                                    };
+                                    let want = norm as f64 * level as f64;
                                     let got = tile[t * dim + c] as f64;
                                     assert!(
                                         (got - want).abs() <= 1e-6 * want.abs() + 1e-9,
@@ -310,8 +419,8 @@ mod tests {
                 }
             }
         }
-        // Both 512-bit decodings ran wherever this CPU has them.
+        // The three 512-bit decodings ran wherever this CPU has them.
         #[cfg(target_arch = "x86_64")]
-        assert_eq!(kinds.len(), if Isa::detected().avx512() { 2 } else { 0 });
+        assert_eq!(kinds.len(), if Isa::detected().avx512() { 3 } else { 0 });
     }
 }
