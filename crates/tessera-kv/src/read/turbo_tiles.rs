@@ -36,7 +36,11 @@ impl TurboSource<'_> {
             Some(x86::Wide::ByteWindow) => {
                 return unsafe { x86::decode_rows_any(plane, at, slots, out) }
             }
-            Some(x86::Wide::Pairs) => return unsafe { x86::decode_pairs(plane, at, slots, out) },
+            Some(x86::Wide::Pairs) => {
+                if let Some(book) = plane.pairs() {
+                    return unsafe { x86::decode_pairs(plane, book, at, slots, out) };
+                }
+            }
             None => {}
         }
         for (slot, row) in slots.zip(out.chunks_exact_mut(plane.dim())) {
@@ -84,6 +88,7 @@ impl TileSource for TurboSource<'_> {
 /// levels; a gather from the table beyond), scaled by the norm.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use crate::codec::pairs::PairBook;
     use crate::planes::turbo::TurboPlane;
     use crate::Isa;
     use std::arch::x86_64::*;
@@ -224,17 +229,16 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must have AVX-512 F/BW/VL and [`available`] must give `Pairs` for `plane`.
+    /// The CPU must have AVX-512 F/BW/VL, [`available`] must give `Pairs` for `plane`, and
+    /// `book` must be its pair codebook.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
     pub unsafe fn decode_pairs(
         plane: &TurboPlane,
+        book: &PairBook,
         at: usize,
         slots: Range<usize>,
         out: &mut [f32],
     ) {
-        let Some(book) = plane.pairs() else {
-            return;
-        };
         // 16 pair codes of `width` (4, 6 or 8) bits per step: 2·width ≤ 16 bytes.
         let (dim, width) = (plane.dim(), 2 * plane.bits() as usize);
         let points = book.xs().len();
