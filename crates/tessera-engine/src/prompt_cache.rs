@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::path::Path;
 use tessera_kv::planes::{PlaneGeometry, PlanesState};
-use tessera_kv::{Codec, KvCache, KvScheme, LayerSpec, LayerState, Retention};
+use tessera_kv::{Codec, KvCache, KvScheme, LayerSpec, LayerState, QueryMoments, Retention};
 use tessera_models::Model;
 
 /// What a prompt cache file says it is.
@@ -75,7 +75,7 @@ pub struct ModelId {
 }
 
 /// One layer's state, less its plane bytes (which are tensors).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LayerHeader {
     /// `KvCache::signatures`' entry: retention and codec, e.g. `kv:window512:bf16-first:affine:4:64`.
@@ -97,6 +97,10 @@ pub struct LayerHeader {
     pub round: Option<Vec<usize>>,
     pub capacity: usize,
     pub buffers: Vec<BufferHeader>,
+    /// The queries a layer still to convert has seen (its TurboQuant key scales are fitted
+    /// on them at conversion); absent where none (files before this field read as none).
+    #[serde(default, skip_serializing_if = "QueryMoments::is_empty")]
+    pub queries: QueryMoments,
 }
 
 /// One plane buffer: its size and CRC-32.
@@ -192,6 +196,7 @@ pub fn save(
             held_from: l.held_from.clone(),
             round: None,
             capacity: l.planes.capacity,
+            queries: l.queries.clone(),
             buffers: l
                 .planes
                 .buffers
@@ -555,6 +560,7 @@ fn decode_with(
             ends: l.ends.clone(),
             held_from: l.held_from.clone(),
             round: l.round.clone(),
+            queries: l.queries.clone(),
             planes: PlanesState {
                 codec,
                 geometry: PlaneGeometry {

@@ -891,11 +891,12 @@ impl Planes for CudaPlanes {
         k: &Tensor,
         live: &[Range<usize>],
         prep: TurboPrep,
+        queries: Option<&[f32]>,
     ) -> Result<(), KvError> {
         let Some(t) = &mut self.turbo else {
             return Ok(());
         };
-        t.host.fit_key_prep(k, live, prep)?;
+        t.host.fit_key_prep(k, live, prep, queries)?;
         self.refresh_tables()
     }
 

@@ -1,6 +1,7 @@
 //! Layer caches: one storage's planes, one retention and the rows, composed. Every append
 //! goes through [`LayerCache::append`]; every row operation through [`LayerCache::relayout`].
 
+use crate::codec::prep::QueryMoments;
 use crate::planes::device::{host_planes, planes_on};
 use crate::planes::{ChunkGeometry, PlaneGeometry, Planes, PlanesRef, RowSlots, RowSpan};
 use crate::read::mask_of;
@@ -42,6 +43,13 @@ pub trait AttentionCache {
     /// A diffusion canvas read: every stored position of each row plus the block's own keys
     /// and values, unmasked; appends nothing.
     fn read_block(&self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError>;
+    /// The queries the next append's read will attend with, `(rows, q_heads, n, head_dim)`,
+    /// shown before the append: a layer still to convert to TurboQuant weighs its key scales
+    /// by what queries look at (see [`crate::codec::prep`]). Others ignore it.
+    fn observe_queries(&mut self, q: &Tensor) -> Result<(), KvError> {
+        let _ = q;
+        Ok(())
+    }
     /// Physical positions the rows span (the largest row end, padding included).
     fn offset(&self) -> usize;
     /// Drops the last `n` positions of every row.
@@ -132,6 +140,9 @@ pub struct LayerCache {
     pub(crate) bound: bool,
     /// The vector instruction level the fused reads run at.
     pub(crate) isa: Isa,
+    /// The queries read with before the conversion, which a TurboQuant target weighs its
+    /// key scales by ([`QueryMoments`]).
+    pub(crate) queries: QueryMoments,
 }
 
 impl LayerCache {
@@ -168,6 +179,7 @@ impl LayerCache {
             minimum_reusable_offset: None,
             bound: false,
             isa: Isa::detected(),
+            queries: QueryMoments::default(),
         })
     }
 
@@ -477,6 +489,44 @@ pub struct DonorRows {
 }
 
 impl AttentionCache for LayerCache {
+    fn observe_queries(&mut self, q: &Tensor) -> Result<(), KvError> {
+        let weighs = matches!(self.target, Some(Codec::Turbo { prep, .. }) if prep.key_scale);
+        if !(weighs && self.awaiting_conversion()) {
+            return Ok(());
+        }
+        let (_, q_heads, n, dim) = q.dims4()?;
+        if dim != self.spec.head_dim || q_heads % self.spec.kv_heads.max(1) != 0 {
+            return Err(KvError::QueryShape {
+                got: q.dims().to_vec(),
+                detail: format!(
+                    "layer {}: {} KV heads of {} channels",
+                    self.layer, self.spec.kv_heads, self.spec.head_dim
+                ),
+            });
+        }
+        // Row r's append starts at its end; positions before its left padding are no query.
+        let live: Vec<Range<usize>> = self
+            .rows
+            .ends()
+            .iter()
+            .zip(self.rows.left_pad())
+            .map(|(end, pad)| pad.saturating_sub(*end).min(n)..n)
+            .collect();
+        if q.dims()[0] != live.len() {
+            return Err(KvError::RowCount {
+                given: q.dims()[0],
+                rows: live.len(),
+            });
+        }
+        let x: Vec<f32> = q
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1()?;
+        self.queries
+            .observe(&x, (q_heads, n, dim), self.spec.kv_heads, &live);
+        Ok(())
+    }
+
     fn append_decode(&mut self, k: &Tensor, v: &Tensor) -> Result<AttentionRead<'_>, KvError> {
         let isa = self.isa;
         Ok(self.append(k, v, Visibility::Causal)?.at(isa))

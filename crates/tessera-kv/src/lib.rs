@@ -32,6 +32,7 @@ mod state;
 mod transition;
 
 pub use cache::{sliding_notice, KvCache};
+pub use codec::prep::QueryMoments;
 pub use error::KvError;
 pub use isa::Isa;
 pub use layer::{AttentionCache, DonorRows, LayerCache};

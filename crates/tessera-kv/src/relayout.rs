@@ -6,6 +6,7 @@
 use crate::layer::{AttentionCache, DonorRows, LayerCache};
 use crate::retention::Slots;
 use crate::rows::Rows;
+use crate::QueryMoments;
 use crate::{KvError, Retention};
 use candle_core::Tensor;
 
@@ -107,6 +108,7 @@ impl LayerCache {
                 .max(),
             bound: sources.iter().any(|s| s.0.bound),
             isa: model.isa,
+            queries: QueryMoments::gather(sources.iter().map(|(src, r, _)| (&src.queries, *r))),
         })
     }
 

@@ -8,7 +8,7 @@ use crate::layer::LayerCache;
 use crate::planes::{planes_for, PlanesState};
 use crate::retention::Slots;
 use crate::rows::Rows;
-use crate::{Codec, Isa, KvError, LayerSpec, PlainDType};
+use crate::{Codec, Isa, KvError, LayerSpec, PlainDType, QueryMoments};
 use candle_core::Device;
 
 /// The version of [`CacheState`]'s layout; a state of another version is refused, except
@@ -44,6 +44,9 @@ pub struct LayerState {
     pub held_from: Vec<usize>,
     pub round: Option<Vec<usize>>,
     pub planes: PlanesState,
+    /// The queries seen before the conversion (a layer awaiting one fits its TurboQuant key
+    /// scales on them); empty otherwise.
+    pub queries: QueryMoments,
 }
 
 /// A whole cache as data.
@@ -69,6 +72,7 @@ impl LayerCache {
             held_from: self.rows.held_from().to_vec(),
             round: self.rows.round().map(<[usize]>::to_vec),
             planes: self.planes.state()?,
+            queries: self.queries.clone(),
         })
     }
 
@@ -90,6 +94,10 @@ impl LayerCache {
             )));
         }
         check_rows(state)?;
+        state
+            .queries
+            .check(rows, state.spec.kv_heads, state.spec.head_dim)
+            .map_err(|e| KvError::BadState(format!("layer {}: {e}", state.layer)))?;
         if matches!(state.spec.retention, crate::Retention::Window { size: 0 })
             || state.spec.kv_heads == 0
             || state.spec.head_dim == 0
@@ -151,6 +159,7 @@ impl LayerCache {
             minimum_reusable_offset: state.minimum_reusable_offset,
             bound: true,
             isa: Isa::detected(),
+            queries: state.queries.clone(),
         })
     }
 }

@@ -52,7 +52,8 @@ impl LayerCache {
         let mut converted = planes_for(target, self.geometry(), k.device())?;
         if let Codec::Turbo { prep, .. } = target {
             let (keys, live) = self.live_keys()?;
-            converted.fit_key_prep(&keys, &live, prep)?;
+            let queries = self.queries.weights();
+            converted.fit_key_prep(&keys, &live, prep, queries.as_deref())?;
         }
         let capacity = self.planes.capacity().min(self.slots.ring).max(used);
         converted.reserve(capacity, self.slots.ring)?;

@@ -161,9 +161,10 @@ impl Planes for Emulated {
         k: &Tensor,
         live: &[Range<usize>],
         prep: TurboPrep,
+        queries: Option<&[f32]>,
     ) -> Result<(), KvError> {
         FITS.fetch_add(1, Ordering::Relaxed);
-        self.inner.fit_key_prep(k, live, prep)
+        self.inner.fit_key_prep(k, live, prep, queries)
     }
 
     fn decode(

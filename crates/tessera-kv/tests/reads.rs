@@ -366,7 +366,7 @@ fn check_reads(case: &Case) {
                         )
                         .unwrap();
                         planes
-                            .fit_key_prep(&bf16, std::slice::from_ref(&(0..live.len())), prep)
+                            .fit_key_prep(&bf16, std::slice::from_ref(&(0..live.len())), prep, None)
                             .unwrap();
                         planes
                     })
@@ -1105,7 +1105,7 @@ fn key_scales_lower_score_error_on_uneven_channels() {
             pairs: false,
         };
         planes
-            .fit_key_prep(k, std::slice::from_ref(&(0..n)), prep)
+            .fit_key_prep(k, std::slice::from_ref(&(0..n)), prep, None)
             .unwrap();
         let stored: Vec<f32> = planes
             .as_stored(0, k, true)
@@ -1143,5 +1143,234 @@ fn key_scales_lower_score_error_on_uneven_channels() {
     assert!(
         scaled < 1.1 * plain,
         "even channels: scaled {scaled} vs plain {plain}"
+    );
+}
+
+/// Channels the queries weigh heavily (query RMS from 0.1 to 10, as a model's queries are)
+/// get finer key codes when the fit knows the queries' mean squares: the error of scores
+/// `q · k` against exact scores falls well below the scales fitted on the keys alone, for
+/// even and uneven key channels alike.
+#[test]
+fn query_weights_lower_score_error_on_uneven_queries() {
+    let (n, d) = (400, 128);
+    let mut seed = 23;
+    let (raw, _) = random((1, 1, n, d), &mut seed);
+    let (_, even_queries) = random((1, 1, 64, d), &mut seed);
+    let query_rms: Vec<f32> = (0..d)
+        .map(|c| 10f32.powf(2.0 * ((c * 5) % 19) as f32 / 18.0 - 1.0))
+        .collect();
+    let queries: Vec<f32> = even_queries
+        .chunks_exact(d)
+        .flat_map(|q| q.iter().zip(&query_rms).map(|(q, r)| q * r))
+        .collect();
+    // The queries' own mean squares per channel, from their definition.
+    let weights: Vec<f32> = (0..d)
+        .map(|c| {
+            queries.chunks_exact(d).map(|q| q[c] * q[c]).sum::<f32>() / (queries.len() / d) as f32
+        })
+        .collect();
+    let score_error = |k: &Tensor, weighted: bool| -> f64 {
+        let mut planes = TurboPlanes::new(3, 3, 1, 1, d, d);
+        let w = weighted.then_some(weights.as_slice());
+        planes
+            .fit_key_prep(k, std::slice::from_ref(&(0..n)), TurboPrep::ALL, w)
+            .unwrap();
+        let stored: Vec<f32> = planes
+            .as_stored(0, k, true)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let exact: Vec<f32> = k.flatten_all().unwrap().to_vec1().unwrap();
+        let mut err = 0f64;
+        for q in queries.chunks_exact(d) {
+            for (a, b) in exact.chunks_exact(d).zip(stored.chunks_exact(d)) {
+                let e: f64 = q
+                    .iter()
+                    .zip(a.iter().zip(b))
+                    .map(|(q, (a, b))| *q as f64 * (*a as f64 - *b as f64))
+                    .sum();
+                err += e * e;
+            }
+        }
+        err
+    };
+    let key_rms: Vec<f32> = (0..d)
+        .map(|c| 10f32.powf(2.0 * (c % 17) as f32 / 16.0 - 1.0))
+        .collect();
+    let uneven = raw
+        .broadcast_mul(&Tensor::new(key_rms.as_slice(), &Device::Cpu).unwrap())
+        .unwrap();
+    for (name, k) in [("even keys", &raw), ("uneven keys", &uneven)] {
+        let (keys_only, weighted) = (score_error(k, false), score_error(k, true));
+        assert!(
+            weighted < 0.6 * keys_only,
+            "{name}: query-weighted {weighted} vs keys only {keys_only}"
+        );
+    }
+}
+
+/// The layer cache weighs its TurboQuant key scales by the queries shown to it before the
+/// converting append: with uneven queries, the read's attention output is nearer the exact
+/// attention (f64, from the unquantized keys and values) than the same cache's without
+/// them; a plain cache ignores the queries.
+#[test]
+fn observed_queries_lower_the_read_error() {
+    let (n, d, q_heads) = (256, 64, 2);
+    let spec = LayerSpec {
+        kv_heads: 1,
+        head_dim: d,
+        value_dim: d,
+        retention: Retention::Full,
+    };
+    let mut seed = 5;
+    let (k, kf) = random((1, 1, n, d), &mut seed);
+    let (v, vf) = random((1, 1, n, d), &mut seed);
+    let (_, qf) = random((1, q_heads, n, d), &mut seed);
+    let qf: Vec<f32> = qf
+        .chunks_exact(d)
+        .flat_map(|q| {
+            q.iter()
+                .enumerate()
+                .map(|(c, x)| x * if c % 8 == 0 { 12.0 } else { 0.3 })
+        })
+        .collect();
+    let q = Tensor::from_vec(qf.clone(), (1, q_heads, n, d), &Device::Cpu).unwrap();
+    let scale = 1.0 / (d as f32).sqrt();
+    // Causal attention in f64 from the definition.
+    let mut exact = vec![0f64; q_heads * n * d];
+    for h in 0..q_heads {
+        for i in 0..n {
+            let qi = &qf[(h * n + i) * d..][..d];
+            let s: Vec<f64> = (0..=i)
+                .map(|j| {
+                    let kj = &kf[j * d..][..d];
+                    qi.iter()
+                        .zip(kj)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::MIN, f64::max);
+            let w: Vec<f64> = s.iter().map(|s| (s - m).exp()).collect();
+            let total: f64 = w.iter().sum();
+            for (j, w) in w.iter().enumerate() {
+                for c in 0..d {
+                    exact[(h * n + i) * d + c] += w / total * vf[j * d + c] as f64;
+                }
+            }
+        }
+    }
+    // The converting append is read in bf16; the second one reads the quantized keys.
+    let half = n / 2;
+    let error = |scheme: &str, observe: bool| -> f64 {
+        let mut cache = KvCache::new(&[spec], &KvScheme::parse(scheme).unwrap(), vec![0]).unwrap();
+        let layer = cache.layer_mut(0);
+        let part = |t: &Tensor, lo: usize| t.narrow(2, lo, half).unwrap();
+        if observe {
+            layer.observe_queries(&part(&q, 0)).unwrap();
+        }
+        layer.append_window(&part(&k, 0), &part(&v, 0)).unwrap();
+        layer.observe_queries(&part(&q, half)).unwrap();
+        let out: Vec<f32> = layer
+            .append_window(&part(&k, half), &part(&v, half))
+            .unwrap()
+            .attend(&part(&q, half), scale)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut err = 0f64;
+        for h in 0..q_heads {
+            for i in 0..half {
+                for c in 0..d {
+                    let o = out[(h * half + i) * d + c] as f64;
+                    err += (o - exact[(h * n + half + i) * d + c]).powi(2);
+                }
+            }
+        }
+        err
+    };
+    let (blind, seen) = (error("turbo:3", false), error("turbo:3", true));
+    assert!(seen < 0.8 * blind, "observed {seen} vs blind {blind}");
+    assert_eq!(error("bf16", true), error("bf16", false));
+    let bad = Tensor::zeros(
+        (1, q_heads, 1, d + 1),
+        candle_core::DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let err = KvCache::new(&[spec], &KvScheme::parse("turbo:3").unwrap(), vec![0])
+        .unwrap()
+        .layer_mut(0)
+        .observe_queries(&bad)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("65"), "{err}");
+}
+
+/// A row's key scales depend on its own queries only: in a batch of two (the second row
+/// left-padded by 3, its padding queries huge), changing the first row's keys and queries
+/// leaves every output bit of the second row as it was.
+#[test]
+fn observed_queries_stay_in_their_row() {
+    let (n, d, q_heads, pad) = (64, 64, 2, 3);
+    let spec = LayerSpec {
+        kv_heads: 1,
+        head_dim: d,
+        value_dim: d,
+        retention: Retention::Full,
+    };
+    let row_of = |seed: u64, heads: usize, scale: f32| -> Vec<f32> {
+        let mut seed = seed;
+        let (_, x) = random((1, heads, 2 * n, d), &mut seed);
+        x.iter().map(|v| v * scale).collect()
+    };
+    let second_row = |first: Vec<f32>, second: Vec<f32>, heads: usize| -> Tensor {
+        let mut second = second;
+        // The second row's padding queries (and keys): large, and never to be counted.
+        for h in 0..heads {
+            for t in 0..pad {
+                second[(h * 2 * n + t) * d..][..d]
+                    .iter_mut()
+                    .for_each(|x| *x = 50.0);
+            }
+        }
+        let data = [first, second].concat();
+        Tensor::from_vec(data, (2, heads, 2 * n, d), &Device::Cpu).unwrap()
+    };
+    let run = |first_seed: u64| -> Vec<f32> {
+        let k = second_row(row_of(first_seed, 1, 1.0), row_of(7, 1, 1.0), 1);
+        let v = second_row(row_of(first_seed + 1, 1, 1.0), row_of(8, 1, 1.0), 1);
+        let q = second_row(
+            row_of(first_seed + 2, q_heads, 3.0),
+            row_of(9, q_heads, 3.0),
+            q_heads,
+        );
+        let scheme = KvScheme::parse("turbo:3").unwrap();
+        let mut cache = KvCache::new(&[spec], &scheme, vec![0, pad]).unwrap();
+        let layer = cache.layer_mut(0);
+        let part = |t: &Tensor, lo: usize| t.narrow(2, lo, n).unwrap();
+        layer.observe_queries(&part(&q, 0)).unwrap();
+        layer.append_window(&part(&k, 0), &part(&v, 0)).unwrap();
+        let out = layer
+            .append_window(&part(&k, n), &part(&v, n))
+            .unwrap()
+            .attend(&part(&q, n), 0.125)
+            .unwrap();
+        out.narrow(0, 1, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (a, b) = (run(100), run(200));
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "the second row's read changed with the first row's queries"
     );
 }

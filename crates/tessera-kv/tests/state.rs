@@ -112,6 +112,7 @@ fn reads(cache: &mut KvCache, seed: u64) -> Vec<Vec<u32>> {
         );
         let q = random((b, QH, n, D), &mut seed);
         let layer = cache.layer_mut(0);
+        layer.observe_queries(&q).unwrap();
         let read = if n == 1 {
             layer.append_decode(&k, &v).unwrap()
         } else {
@@ -240,8 +241,17 @@ fn a_bf16_stage_state_converts_as_the_original() {
             let ctx = format!("{codec} {window:?}");
             let mut cache = new_cache(codec, window, 12, vec![0, 3]);
             let mut seed = 3;
+            let q = random((2, QH, 7, D), &mut seed);
+            cache.layer_mut(0).observe_queries(&q).unwrap();
             append(&mut cache, 7, &mut seed);
             assert!(cache.layers()[0].awaiting_conversion(), "{ctx}");
+            // A turbo layer keeps the queries it saw for its conversion; the state holds them.
+            let weighs = matches!(codec, Codec::Turbo { prep, .. } if prep.key_scale);
+            assert_eq!(
+                cache.state().unwrap().layers[0].queries.is_empty(),
+                !weighs,
+                "{ctx}"
+            );
             assert_eq!(cache.max_append_tokens(), Some(5), "{ctx}");
             let state = cache.state().unwrap();
             assert_eq!(
@@ -583,4 +593,41 @@ fn unsupported_codecs_and_shapes_in_a_state_are_refused() {
     let mut state = good;
     state.layers[0].spec.kv_heads = 0;
     refused(&state, &["layer 0"], "no KV heads");
+}
+
+#[test]
+fn bad_query_moments_are_refused() {
+    let codec = Codec::Turbo {
+        kbits: 4,
+        vbits: 4,
+        prep: TurboPrep::ALL,
+    };
+    let mut cache = new_cache(codec, None, 12, vec![0]);
+    let mut seed = 9;
+    let q = random((1, QH, 3, D), &mut seed);
+    cache.layer_mut(0).observe_queries(&q).unwrap();
+    append(&mut cache, 3, &mut seed);
+    let state = cache.state().unwrap();
+    let good = serde_json::to_value(&state.layers[0].queries).unwrap();
+    let sums = good["sums"].as_array().unwrap().len();
+    assert_eq!(sums, KVH * D);
+    let edits: [(&str, serde_json::Value); 3] = [
+        (
+            "negative",
+            serde_json::json!({"sums": vec![-1.0; sums], "counts": [3], "kv_heads": KVH, "q_heads": QH}),
+        ),
+        (
+            "sums",
+            serde_json::json!({"sums": vec![1.0; sums - 1], "counts": [3], "kv_heads": KVH, "q_heads": QH}),
+        ),
+        (
+            "query",
+            serde_json::json!({"sums": vec![1.0; sums], "counts": [3], "kv_heads": KVH, "q_heads": QH + 1}),
+        ),
+    ];
+    for (name, edit) in edits {
+        let mut bad = state.clone();
+        bad.layers[0].queries = serde_json::from_value(edit).unwrap();
+        refused(&bad, &["layer 0", "query moments"], name);
+    }
 }

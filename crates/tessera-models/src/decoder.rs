@@ -537,6 +537,7 @@ impl Attention {
         cache: &mut impl AttentionCache,
     ) -> Result<Tensor, ModelError> {
         let p = self.project(x, rope)?;
+        cache.observe_queries(&p.q)?;
         let read = if p.q.dims()[2] == 1 {
             cache.append_decode(&p.k, &p.v)?
         } else {

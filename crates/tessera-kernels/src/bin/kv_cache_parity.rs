@@ -276,8 +276,8 @@ fn planes_case(
     if let Codec::Turbo { prep, .. } = codec {
         // Each row fitted on its own live slots: row 1 as if left-padded by 4.
         let live = [0..n, 4..n, 0..n - 5];
-        p.cpu.fit_key_prep(&k, &live, prep)?;
-        p.gpu.fit_key_prep(&k.to_device(gpu)?, &live, prep)?;
+        p.cpu.fit_key_prep(&k, &live, prep, None)?;
+        p.gpu.fit_key_prep(&k.to_device(gpu)?, &live, prep, None)?;
     }
     // Two writes across a capacity growth (the copy kernel keeps the first).
     p.reserve(5 + 20)?;

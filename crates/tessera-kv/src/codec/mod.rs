@@ -2,5 +2,5 @@
 
 pub mod affine;
 pub mod pairs;
-pub(crate) mod prep;
+pub mod prep;
 pub mod turbo;

@@ -165,15 +165,17 @@ pub trait Planes: std::fmt::Debug + Send + Sync + Any {
         len: usize,
     ) -> Result<(), KvError>;
     /// Turbo planes: fits each row's key preparation on `k` `(rows, heads, n, head_dim)` (what
-    /// the bf16 stage holds at conversion), over the slots `live[row]` of each row, before
-    /// anything is written. Other codecs ignore it.
+    /// the bf16 stage holds at conversion), over the slots `live[row]` of each row, the
+    /// scales weighted by the queries' mean squares `queries` (`heads × head_dim`) where
+    /// the layer has seen any, before anything is written. Other codecs ignore it.
     fn fit_key_prep(
         &mut self,
         k: &Tensor,
         live: &[Range<usize>],
         prep: TurboPrep,
+        queries: Option<&[f32]>,
     ) -> Result<(), KvError> {
-        let _ = (k, live, prep);
+        let _ = (k, live, prep, queries);
         Ok(())
     }
     /// The fused decode read: `q` `(rows, q_heads, 1, head_dim)`, row `r` over the slots

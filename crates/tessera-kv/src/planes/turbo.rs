@@ -529,6 +529,7 @@ impl Planes for TurboPlanes {
         k: &Tensor,
         live: &[Range<usize>],
         prep: TurboPrep,
+        queries: Option<&[f32]>,
     ) -> Result<(), KvError> {
         let n = k.dims4()?.2;
         let x = bf16_values(k)?;
@@ -540,6 +541,7 @@ impl Planes for TurboPlanes {
             live,
             prep.key_mean,
             prep.key_scale,
+            queries.filter(|q| q.len() == live.len() * self.heads * self.keys.dim),
         );
         Ok(())
     }
