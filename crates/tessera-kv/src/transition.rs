@@ -52,7 +52,8 @@ impl LayerCache {
         let mut converted = planes_for(target, self.geometry(), k.device())?;
         if let Codec::Turbo { prep, .. } = target {
             let (keys, live) = self.live_keys()?;
-            let queries = self.queries.weights();
+            // Taken: once converted, the layer has no use for them (nor its state).
+            let queries = std::mem::take(&mut self.queries).weights();
             converted.fit_key_prep(&keys, &live, prep, queries.as_deref())?;
         }
         let capacity = self.planes.capacity().min(self.slots.ring).max(used);
