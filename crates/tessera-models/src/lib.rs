@@ -13,6 +13,7 @@ pub mod gguf;
 pub mod kquant;
 pub mod q8;
 mod q8_amx;
+mod q8_x8;
 mod shares;
 pub mod synth;
 mod tokenizer;

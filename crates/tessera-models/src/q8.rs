@@ -44,6 +44,9 @@ pub struct Q8Matrix {
     /// kernel reads them (see [`crate::q8_amx::tile_scales`]; 6% more bytes than the
     /// codes alone); empty otherwise.
     tile_d: Vec<u16>,
+    /// Created at [`Isa::Avx2`] (capped): the whole groups of eight rows are interleaved
+    /// in `qs` and `d` for the AVX2 kernels ([`crate::q8_x8`]), the rest row-major.
+    x8: bool,
 }
 
 /// Int8 codes in 64-byte aligned storage: a 32-byte block of a row (k a multiple of 32)
@@ -110,8 +113,13 @@ impl Q8Matrix {
         Ok(Some(Q8Matrix::new(n, k, qs, d, isa.capped())))
     }
 
-    fn new(n: usize, k: usize, qs: Codes, d: Vec<u16>, isa: Isa) -> Self {
+    /// Over row-major codes and scales.
+    fn new(n: usize, k: usize, mut qs: Codes, mut d: Vec<u16>, isa: Isa) -> Self {
         let (amx, vnni) = (isa.amx(), isa.vnni());
+        let x8 = cfg!(target_arch = "x86_64") && !vnni;
+        if x8 {
+            crate::q8_x8::interleave(&mut qs, &mut d, n, k, true);
+        }
         #[cfg(target_arch = "x86_64")]
         let tile_d = if amx {
             crate::q8_amx::tile_scales(&d, n, k / BLOCK)
@@ -128,7 +136,19 @@ impl Q8Matrix {
             amx,
             vnni,
             tile_d,
+            x8,
         }
+    }
+
+    /// The codes and scales row-major.
+    fn row_major(&self) -> (Codes, Vec<u16>) {
+        let mut qs = Codes::zeroed(self.qs.len());
+        qs.copy_from_slice(&self.qs);
+        let mut d = self.d.clone();
+        if self.x8 {
+            crate::q8_x8::interleave(&mut qs, &mut d, self.n, self.k, false);
+        }
+        (qs, d)
     }
 
     pub fn out_features(&self) -> usize {
@@ -205,8 +225,45 @@ impl Q8Matrix {
             self.matmul_amx(&acts, tiles, out);
             return;
         }
-        let tiles = self.n.div_ceil(4);
         let out_ptr = out as usize;
+        #[cfg(target_arch = "x86_64")]
+        if self.x8 {
+            // Whole groups of eight rows, then tiles of four over the rows past them.
+            let groups = self.n / crate::q8_x8::GROUP;
+            let first = groups * crate::q8_x8::GROUP;
+            let items = groups + (self.n - first).div_ceil(4);
+            let run = |item: usize| {
+                let out = out_ptr as *mut f32;
+                // SAFETY: `x8` is set only where this CPU runs AVX2 (a Q8Matrix exists from
+                // that level); each item writes only its own output columns.
+                unsafe {
+                    if item < groups {
+                        crate::q8_x8::run(
+                            &self.qs,
+                            &self.d,
+                            self.k,
+                            item,
+                            &acts.q,
+                            &acts.d,
+                            0..m,
+                            out.add(crate::q8_x8::GROUP * item),
+                            self.n,
+                        )
+                    } else {
+                        self.tile_columns(&acts, first + 4 * (item - groups), out)
+                    }
+                }
+            };
+            if m == 1 {
+                let bytes = |item: usize| if item < groups { 2 } else { 1 };
+                crate::shares::stream(items, bytes, run);
+            } else {
+                candle_core::utils::barrier_pool()
+                    .execute_chunked(items, |range| range.for_each(run));
+            }
+            return;
+        }
+        let tiles = self.n.div_ceil(4);
         let run = |tile: usize| {
             // SAFETY: each weight-row tile writes only its own output columns.
             unsafe { self.tile_columns(&acts, tile * 4, out_ptr as *mut f32) };
@@ -641,9 +698,10 @@ impl Q8Matrix {
         let mut d = Vec::with_capacity(n * k / BLOCK);
         let mut at = 0;
         for p in parts {
-            qs[at..at + p.qs.len()].copy_from_slice(&p.qs);
-            at += p.qs.len();
-            d.extend_from_slice(&p.d);
+            let (pq, pd) = p.row_major();
+            qs[at..at + pq.len()].copy_from_slice(&pq);
+            at += pq.len();
+            d.extend_from_slice(&pd);
         }
         let isa = match (parts_amx, parts_vnni) {
             (true, _) => Isa::Amx,
@@ -656,10 +714,13 @@ impl Q8Matrix {
     /// Row `j` dequantized: an embedding lookup on a tied matrix.
     pub fn row(&self, j: usize) -> Vec<f32> {
         let kb = self.k / BLOCK;
+        // Without interleaving, every row reads as one past the last whole group.
+        let n = if self.x8 { self.n } else { 0 };
         (0..self.k)
             .map(|e| {
-                self.qs[j * self.k + e] as f32
-                    * half::f16::from_bits(self.d[j * kb + e / BLOCK]).to_f32()
+                self.qs[crate::q8_x8::code_at(j, e, n, self.k)] as f32
+                    * half::f16::from_bits(self.d[crate::q8_x8::scale_at(j, e / BLOCK, n, kb)])
+                        .to_f32()
             })
             .collect()
     }
@@ -1191,7 +1252,7 @@ pub(crate) mod tests {
                     continue;
                 };
                 let vnni = random_q8(n, k, seed, Isa::Avx512Vnni).unwrap();
-                let (wq, wd) = (&w.qs, &w.d);
+                let (wq, wd) = w.row_major();
                 let kb = k / 32;
                 for m in [1, 5, 16, 17, 33, 64, 512] {
                     let amx = top == Isa::Amx && m >= 16;

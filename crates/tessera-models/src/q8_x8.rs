@@ -1,0 +1,177 @@
+//! Q8_0 rows interleaved in groups of eight, for the AVX2 kernels (the Q8 side of
+//! `kquant/x8.rs`, which says why).
+//!
+//! At AVX2 a [`crate::q8::Q8Matrix`] keeps the whole groups of eight rows this way, in the
+//! same places as the row-major matrix (group g's codes are bytes `8g·k ..` of the codes,
+//! its scales entries `8g·kb ..` of the scales), so the rows past the last whole group stay
+//! row-major where the row kernels read them:
+//! - codes: for block b, 32-byte vector v, bytes `[row r][t]` = element `32b + 4v + t` of
+//!   row `8g + r` (at `8g·k + 256b + 32v + 4r + t`);
+//! - scales: block b's eight rows side by side (at `8g·kb + 8b + r`).
+
+pub(crate) const GROUP: usize = 8;
+const BLOCK: usize = 32;
+
+/// Where element `e` of row `j` sits in a matrix of `n` rows and width `k`, interleaved.
+pub(crate) fn code_at(j: usize, e: usize, n: usize, k: usize) -> usize {
+    let g = j / GROUP;
+    if g >= n / GROUP {
+        return j * k + e;
+    }
+    let (r, b, v, t) = (j % GROUP, e / BLOCK, (e % BLOCK) / 4, e % 4);
+    GROUP * g * k + 256 * b + 32 * v + 4 * r + t
+}
+
+/// Where block `b`'s scale of row `j` sits.
+pub(crate) fn scale_at(j: usize, b: usize, n: usize, kb: usize) -> usize {
+    let g = j / GROUP;
+    if g >= n / GROUP {
+        return j * kb + b;
+    }
+    GROUP * g * kb + GROUP * b + j % GROUP
+}
+
+/// Row-major codes and scales interleaved (or back, `forward` false), in place.
+pub(crate) fn interleave(qs: &mut [i8], d: &mut [u16], n: usize, k: usize, forward: bool) {
+    let kb = k / BLOCK;
+    let mut codes = vec![0i8; GROUP * k];
+    let mut scales = vec![0u16; GROUP * kb];
+    for g in 0..n / GROUP {
+        let (q, s) = (
+            &mut qs[GROUP * g * k..GROUP * (g + 1) * k],
+            &mut d[GROUP * g * kb..GROUP * (g + 1) * kb],
+        );
+        codes.copy_from_slice(q);
+        scales.copy_from_slice(s);
+        for r in 0..GROUP {
+            for e in 0..k {
+                let at = code_at(r, e, GROUP, k);
+                match forward {
+                    true => q[at] = codes[r * k + e],
+                    false => q[r * k + e] = codes[at],
+                }
+            }
+            for b in 0..kb {
+                let at = scale_at(r, b, GROUP, kb);
+                match forward {
+                    true => s[at] = scales[r * kb + b],
+                    false => s[r * kb + b] = scales[at],
+                }
+            }
+        }
+    }
+}
+
+/// Group `g` against activation rows `rows` (codes `aq`, row-major `(m, k)`; scales `ad`,
+/// `(m, kb)`), into `out[i * n + c]` for c in 0..8.
+///
+/// # Safety
+/// The CPU runs AVX2, FMA and F16C; `g` is a whole group of the interleaved `qs` / `d`;
+/// `out` is valid for those writes.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn run(
+    qs: &[i8],
+    d: &[u16],
+    k: usize,
+    g: usize,
+    aq: &[i8],
+    ad: &[f32],
+    rows: std::ops::Range<usize>,
+    out: *mut f32,
+    n: usize,
+) {
+    let kb = k / BLOCK;
+    let (codes, scales) = (
+        qs.as_ptr().add(GROUP * g * k),
+        d.as_ptr().add(GROUP * g * kb),
+    );
+    let mut i = rows.start;
+    while i < rows.end {
+        let mr = (rows.end - i).min(3);
+        let (a, o) = (aq.as_ptr().add(i * k), out.add(i * n));
+        let ad = ad.as_ptr().add(i * kb);
+        match mr {
+            3 => kernels::q8_3(codes, scales, kb, a, ad, o, n),
+            2 => kernels::q8_2(codes, scales, kb, a, ad, o, n),
+            _ => kernels::q8_1(codes, scales, kb, a, ad, o, n),
+        }
+        i += mr;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+mod kernels {
+    use super::BLOCK;
+    use std::arch::x86_64::*;
+
+    /// How far ahead of the block in use the group's stream is prefetched into L2.
+    const AHEAD: usize = 4096;
+
+    /// MR activation rows (`a`, `ad` at the first; rows `k = 32 · kb` apart) against one
+    /// group: per 32-byte vector, `maddubs` of |w| and the row's four codes broadcast with
+    /// w's signs, then `madd` by ones: one i32 lane per weight row.
+    #[inline(always)]
+    unsafe fn q8<const MR: usize>(
+        codes: *const i8,
+        scales: *const u16,
+        kb: usize,
+        a: *const i8,
+        ad: *const f32,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let k = kb * BLOCK;
+        let ones = _mm256_set1_epi16(1);
+        let mut accf = [_mm256_setzero_ps(); MR];
+        for b in 0..kb {
+            let blk = codes.add(256 * b);
+            for line in 0..4 {
+                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(AHEAD + 64 * line));
+            }
+            let mut acc = [_mm256_setzero_si256(); MR];
+            for v in 0..8 {
+                let w = _mm256_loadu_si256(blk.add(32 * v) as *const __m256i);
+                let wabs = _mm256_sign_epi8(w, w);
+                for r in 0..MR {
+                    let four = (a.add(r * k + BLOCK * b + 4 * v) as *const i32).read_unaligned();
+                    let signed = _mm256_sign_epi8(_mm256_set1_epi32(four), w);
+                    // At most 127 · 127 · 2 per i16 lane: no saturation.
+                    let pairs = _mm256_maddubs_epi16(wabs, signed);
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(scales.add(8 * b) as *const __m128i));
+            for r in 0..MR {
+                let da = _mm256_set1_ps(*ad.add(r * kb + b));
+                accf[r] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(dw, da), accf[r]);
+            }
+        }
+        for r in 0..MR {
+            _mm256_storeu_ps(out.add(r * n), accf[r]);
+        }
+    }
+
+    macro_rules! entry {
+        ($name:ident, $mr:expr) => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub(super) unsafe fn $name(
+                codes: *const i8,
+                scales: *const u16,
+                kb: usize,
+                a: *const i8,
+                ad: *const f32,
+                out: *mut f32,
+                n: usize,
+            ) {
+                q8::<$mr>(codes, scales, kb, a, ad, out, n)
+            }
+        };
+    }
+
+    entry!(q8_1, 1);
+    entry!(q8_2, 2);
+    entry!(q8_3, 3);
+}
