@@ -7,7 +7,7 @@
 //! AVX-512 tiles with every 32-element scale and minimum widened to f32 (6 bits a weight
 //! where the file has 4.5: a third more bytes per step), and runs Q6_K decode one
 //! scalar-scheduled dot product per row. Here the kernels read the file's own blocks in
-//! place (no second copy), and the activations are quantized once per matmul to int8 per
+//! place at VNNI (no second copy; AVX2 below), and the activations are quantized once per matmul to int8 per
 //! 256-element block, as llama.cpp's Q8_K (scale max|x| / 127, round half away from zero),
 //! with the sums of every 16 and 32 codes kept for the minima and offsets. A block's
 //! integer dot is exact in i32: `maddubs` multiplies the unsigned weight codes by the
@@ -16,11 +16,14 @@
 //! lanes; one f32 multiply-add per block applies the block and activation scales. At AVX-512
 //! VNNI one or two activation rows run in 512-bit registers against two weight rows, each
 //! weight block unpacked once (two blocks' 6-bit scales at a time, by byte shuffles); at
-//! AVX2, 256-bit tiles of the same arithmetic. Each weight row stream is prefetched into L2
-//! ahead of use (the hardware
-//! prefetcher alone left the arithmetic and the wait for memory serialized: half the
-//! bandwidth). Inputs of more rows go to candle's repacked tiles, which do more work per
-//! instruction once the weights are reused across rows.
+//! AVX2, the rows are held again in groups of eight interleaved (`kquant/x8.rs`): one i32 lane per
+//! weight row, so the per-row work (scales, minima, the final sum) is one vector op for
+//! eight rows; those kernels take every input there, prefill included, and the rows past
+//! the last whole group run 256-bit tiles of the arithmetic above. Each weight row stream
+//! is prefetched into L2 ahead of use (the hardware prefetcher alone left the arithmetic
+//! and the wait for memory serialized: half the bandwidth). At VNNI, inputs of more than
+//! [`OWN_MAX_ROWS`] rows go to candle's repacked tiles, which do more work per instruction
+//! once the weights are reused across rows.
 //!
 //! Several matrices that read the same input (q/k/v of mixed types) stack into one
 //! [`KMatrix`]: one activation quantization, one dispatch.
@@ -111,7 +114,7 @@ pub struct KMatrix {
 
 /// Activation rows up to which [`KMatrix::forward`] runs our kernels at AVX-512 VNNI; from
 /// here candle's repacked 16-row tiles do more work per instruction than our row tiles. At
-/// AVX2 the interleaved kernels ([`x8`]) take every input: they beat candle's AVX2 tiles at
+/// AVX2 the interleaved kernels (`kquant/x8.rs`) take every input: they beat candle's AVX2 tiles at
 /// 512 rows too (Q4_K 1.7×, Q6_K 1.3×, `kquant_matmul_speed`).
 pub const OWN_MAX_ROWS: usize = 3;
 
