@@ -62,10 +62,11 @@ fn dequantize_row<const BITS: usize>(view: &PlaneView, slot: usize, group: usize
 /// Affine planes as a tile source: each position is dequantized on its way into the tile.
 struct AffineSource<'a> {
     planes: &'a AffinePlanes,
-    /// The read's level has AVX-512 and the planes' geometry a 512-bit unpacker, which writes
-    /// rows lane-major: `orders` are then the element at each tile column, keys and values.
+    /// The words per block of the vector unpacker the read's level and the planes'
+    /// geometry allow (16 at AVX-512, 8 at AVX2), which writes rows lane-major: `orders`
+    /// are then the element at each tile column, keys and values.
     #[cfg(target_arch = "x86_64")]
-    wide: bool,
+    lanes: Option<usize>,
     orders: Option<(Vec<usize>, Vec<usize>)>,
 }
 
@@ -77,17 +78,23 @@ impl<'a> AffineSource<'a> {
         let (_, d, dv) = planes.geometry3();
         #[cfg(target_arch = "x86_64")]
         {
-            let bits = planes.bits();
-            let wide = isa.capped().avx512() && x86::available(bits, [d, dv]);
-            let orders = wide.then(|| {
+            let (bits, isa) = (planes.bits(), isa.capped());
+            let lanes = if isa.avx512() {
+                x86::available(bits, [d, dv]).then_some(16)
+            } else if isa.avx2() {
+                x86::available8(bits, [d, dv]).then_some(8)
+            } else {
+                None
+            };
+            let orders = lanes.map(|lanes| {
                 (
-                    x86::lane_major_order(d, bits),
-                    x86::lane_major_order(dv, bits),
+                    x86::lane_major_order_of(d, bits, lanes),
+                    x86::lane_major_order_of(dv, bits, lanes),
                 )
             });
             AffineSource {
                 planes,
-                wide,
+                lanes,
                 orders,
             }
         }
@@ -117,12 +124,19 @@ impl<'a> AffineSource<'a> {
     #[inline(always)]
     fn fill(&self, view: &PlaneView, slots: Range<usize>, out: &mut [f32]) {
         let group = self.planes.group();
+        // SAFETY: `lanes` is set only at a level capped to the CPU's that has AVX-512 (16)
+        // or AVX2 (8), and only for geometries that unpacker takes.
         #[cfg(target_arch = "x86_64")]
-        if self.wide {
-            // SAFETY: `wide` is set only at a level capped to the CPU's that has AVX-512, and
-            // only for geometries the unpacker takes.
-            unsafe { x86::dequantize_rows(view, self.planes.bits(), group, slots, out) };
-            return;
+        match self.lanes {
+            Some(16) => {
+                unsafe { x86::dequantize_rows(view, self.planes.bits(), group, slots, out) };
+                return;
+            }
+            Some(_) => {
+                unsafe { x86::dequantize_rows8(view, self.planes.bits(), group, slots, out) };
+                return;
+            }
+            None => {}
         }
         match self.planes.bits() {
             2 => Self::rows::<2>(view, group, slots, out),
@@ -153,14 +167,92 @@ pub(crate) mod x86 {
         matches!(bits, 2 | 4 | 8) && dims.iter().all(|d| d * bits as usize % 512 == 0)
     }
 
+    /// Whether rows of `bits` bits and these dimensions have the 256-bit unpacker (the
+    /// caller checks the level).
+    pub fn available8(bits: u8, dims: [usize; 2]) -> bool {
+        matches!(bits, 2 | 4 | 8) && dims.iter().all(|d| d * bits as usize % 256 == 0)
+    }
+
+    /// [`dequantize_rows`] 8 lanes wide: blocks of 8 words.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `bits` must be 2, 4 or 8 and `dim · bits` a
+    /// multiple of 256.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dequantize_rows8(
+        view: &PlaneView,
+        bits: u8,
+        group: usize,
+        slots: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let dim = out.len() / slots.len();
+        let per = 32 / bits as usize;
+        let block = 8 * per;
+        assert!(dim % block == 0 && group >= per && group % per == 0);
+        let mask = _mm256_set1_epi32((1 << bits) - 1);
+        // Lane w of block b takes the parameters of group (b·block + w·per) / group.
+        let scale_at: Vec<[usize; 8]> = (0..dim / block)
+            .map(|b| std::array::from_fn(|w| 2 * ((b * block + w * per) / group)))
+            .collect();
+        let one_group = group % block == 0;
+        let (mut scales, mut biases) = ([0f32; 8], [0f32; 8]);
+        let mut wide = Vec::new();
+        for (slot, row) in slots.zip(out.chunks_exact_mut(dim)) {
+            let codes = view.codes(slot);
+            let params = view.params(slot);
+            assert!(codes.len() * 32 == dim * bits as usize && params.len() * group == 2 * dim);
+            // (scale, bias) pairs widened 8 at a time (`to_f32` per value pays a dispatch).
+            let n = params.len();
+            wide.resize(n, 0f32);
+            for (dst, src) in wide.chunks_exact_mut(8).zip(params.chunks_exact(8)) {
+                let h = _mm_loadu_si128(src.as_ptr().cast());
+                _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(h));
+            }
+            for i in n / 8 * 8..n {
+                wide[i] = params[i].to_f32();
+            }
+            for (b, cols) in row.chunks_exact_mut(block).enumerate() {
+                let at = &scale_at[b];
+                let (s, bias) = if one_group {
+                    // The whole block lies in one group.
+                    (_mm256_set1_ps(wide[at[0]]), _mm256_set1_ps(wide[at[0] + 1]))
+                } else {
+                    for w in 0..8 {
+                        scales[w] = wide[at[w]];
+                        biases[w] = wide[at[w] + 1];
+                    }
+                    (
+                        _mm256_loadu_ps(scales.as_ptr()),
+                        _mm256_loadu_ps(biases.as_ptr()),
+                    )
+                };
+                let words = _mm256_loadu_si256(codes.as_ptr().add(b * 8).cast());
+                for j in 0..per {
+                    let v = _mm256_and_si256(
+                        _mm256_srlv_epi32(words, _mm256_set1_epi32((j * bits as usize) as i32)),
+                        mask,
+                    );
+                    let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, bias);
+                    _mm256_storeu_ps(cols.as_mut_ptr().add(j * 8), f);
+                }
+            }
+        }
+    }
+
     /// The element each tile column holds (see the module above).
     pub fn lane_major_order(dim: usize, bits: u8) -> Vec<usize> {
+        lane_major_order_of(dim, bits, 16)
+    }
+
+    /// The same for blocks of `lanes` words (8 for a 256-bit unpacker).
+    pub fn lane_major_order_of(dim: usize, bits: u8, lanes: usize) -> Vec<usize> {
         let per = 32 / bits as usize;
         (0..dim)
             .map(|p| {
-                let (block, r) = (p / (16 * per), p % (16 * per));
-                let (j, w) = (r / 16, r % 16);
-                block * 16 * per + w * per + j
+                let (block, r) = (p / (lanes * per), p % (lanes * per));
+                let (j, w) = (r / lanes, r % lanes);
+                block * lanes * per + w * per + j
             })
             .collect()
     }
@@ -336,8 +428,8 @@ pub(crate) mod tests {
         check::<8>();
     }
 
-    /// The rows a tile source fills (512-bit lane-major or portable, as the level and the
-    /// geometry choose), held to `scale · code + bias` from the stored codes and parameters.
+    /// The rows a tile source fills (512- or 256-bit lane-major or portable, as the level and
+    /// the geometry choose), held to `scale · code + bias` from the stored codes and parameters.
     #[test]
     fn dequantized_tiles_match_scale_code_bias_at_every_level() {
         let (heads, slots, read) = (2, 6, 1..5);
@@ -361,7 +453,7 @@ pub(crate) mod tests {
                             .write(0..1, 0, &tensor(10, d), &tensor(11, dv))
                             .unwrap();
                         let source = AffineSource::new(&planes, isa);
-                        // Orders come with the 512-bit unpacker, and only with it.
+                        // Orders come with a vector unpacker, and only with it.
                         let orders = source.orders.as_ref();
                         wide_runs += orders.is_some() as usize;
                         let [(key_codes, key_params), (value_codes, value_params)] = planes.raw();
@@ -411,7 +503,7 @@ pub(crate) mod tests {
                 }
             }
         }
-        // The 512-bit unpacker ran wherever this CPU has it.
-        assert_eq!(wide_runs > 0, Isa::detected().avx512());
+        // A vector unpacker (512-bit, or 256-bit at AVX2) ran wherever this CPU has one.
+        assert_eq!(wide_runs > 0, Isa::detected().avx2());
     }
 }
