@@ -88,8 +88,8 @@ impl<'a> AffineSource<'a> {
             };
             let orders = lanes.map(|lanes| {
                 (
-                    x86::lane_major_order_of(d, bits, lanes),
-                    x86::lane_major_order_of(dv, bits, lanes),
+                    x86::lane_major_order(d, bits, lanes),
+                    x86::lane_major_order(dv, bits, lanes),
                 )
             });
             AffineSource {
@@ -240,13 +240,9 @@ pub(crate) mod x86 {
         }
     }
 
-    /// The element each tile column holds (see the module above).
-    pub fn lane_major_order(dim: usize, bits: u8) -> Vec<usize> {
-        lane_major_order_of(dim, bits, 16)
-    }
-
-    /// The same for blocks of `lanes` words (8 for a 256-bit unpacker).
-    pub fn lane_major_order_of(dim: usize, bits: u8, lanes: usize) -> Vec<usize> {
+    /// The element each tile column holds (see the module above) for blocks of `lanes`
+    /// words (16 for the 512-bit unpacker, 8 for the 256-bit one).
+    pub fn lane_major_order(dim: usize, bits: u8, lanes: usize) -> Vec<usize> {
         let per = 32 / bits as usize;
         (0..dim)
             .map(|p| {

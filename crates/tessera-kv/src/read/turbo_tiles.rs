@@ -459,11 +459,7 @@ pub(crate) fn source(planes: &TurboPlanes, isa: Isa) -> TurboSource<'_> {
         let wide = [x86::available(keys, isa), x86::available(values, isa)];
         let order = |plane: &TurboPlane, wide: Option<x86::Wide>| {
             wide.and_then(x86::Wide::lanes).map(|lanes| {
-                crate::read::affine_tiles::x86::lane_major_order_of(
-                    plane.dim(),
-                    plane.bits(),
-                    lanes,
-                )
+                crate::read::affine_tiles::x86::lane_major_order(plane.dim(), plane.bits(), lanes)
             })
         };
         TurboSource {

@@ -42,32 +42,43 @@ pub(super) struct Interleaved {
 }
 
 impl Interleaved {
-    /// Rows `0..8 · (rows / 8)` of Q4_K blocks (`kb` a row).
-    pub(super) fn q4(blocks: &[Q4Block], kb: usize) -> Self {
+    /// The whole groups of `blocks` (`kb` a row), `size` bytes per group and superblock,
+    /// each written by `fill(out, r, block)` for its eight rows `r`.
+    fn build<B>(
+        blocks: &[B],
+        kb: usize,
+        size: usize,
+        fill: impl Fn(&mut [u8], usize, &B),
+    ) -> Vec<u8> {
         let groups = blocks.len() / kb / GROUP;
-        let mut bytes = vec![0u8; groups * kb * Q4X8_BYTES];
-        for g in 0..groups {
-            for b in 0..kb {
-                let out = &mut bytes[(g * kb + b) * Q4X8_BYTES..][..Q4X8_BYTES];
-                for r in 0..GROUP {
-                    let blk = &blocks[(g * GROUP + r) * kb + b];
-                    out[2 * r..2 * r + 2].copy_from_slice(&blk.d.to_le_bytes());
-                    out[16 + 2 * r..18 + 2 * r].copy_from_slice(&blk.dmin.to_le_bytes());
-                    for s in 0..8 {
-                        let (scale, min) = super::q4k_scale_min(s, &blk.packed);
-                        let at = 16 * (s / 2) + 2 * r + s % 2;
-                        out[Q4_SCALES + at] = scale;
-                        out[Q4_MINS + at] = min;
-                    }
-                    for p in 0..4 {
-                        for v in 0..8 {
-                            let at = Q4_QS + 256 * p + 32 * v + 4 * r;
-                            out[at..at + 4].copy_from_slice(&blk.qs[32 * p + 4 * v..][..4]);
-                        }
-                    }
-                }
+        let mut bytes = vec![0u8; groups * kb * size];
+        for (at, out) in bytes.chunks_exact_mut(size).enumerate() {
+            let (g, b) = (at / kb, at % kb);
+            for r in 0..GROUP {
+                fill(out, r, &blocks[(g * GROUP + r) * kb + b]);
             }
         }
+        bytes
+    }
+
+    /// Rows `0..8 · (rows / 8)` of Q4_K blocks (`kb` a row).
+    pub(super) fn q4(blocks: &[Q4Block], kb: usize) -> Self {
+        let bytes = Self::build(blocks, kb, Q4X8_BYTES, |out, r, blk| {
+            out[2 * r..2 * r + 2].copy_from_slice(&blk.d.to_le_bytes());
+            out[16 + 2 * r..18 + 2 * r].copy_from_slice(&blk.dmin.to_le_bytes());
+            for s in 0..8 {
+                let (scale, min) = super::q4k_scale_min(s, &blk.packed);
+                let at = 16 * (s / 2) + 2 * r + s % 2;
+                out[Q4_SCALES + at] = scale;
+                out[Q4_MINS + at] = min;
+            }
+            for p in 0..4 {
+                for v in 0..8 {
+                    let at = Q4_QS + 256 * p + 32 * v + 4 * r;
+                    out[at..at + 4].copy_from_slice(&blk.qs[32 * p + 4 * v..][..4]);
+                }
+            }
+        });
         Interleaved {
             bytes,
             kb,
@@ -77,47 +88,38 @@ impl Interleaved {
 
     /// Rows `0..8 · (rows / 8)` of Q6_K blocks (`kb` a row).
     pub(super) fn q6(blocks: &[Q6Block], kb: usize) -> Self {
-        let groups = blocks.len() / kb / GROUP;
-        let mut bytes = vec![0u8; groups * kb * Q6X8_BYTES];
-        for g in 0..groups {
-            for b in 0..kb {
-                let out = &mut bytes[(g * kb + b) * Q6X8_BYTES..][..Q6X8_BYTES];
-                for r in 0..GROUP {
-                    let blk = &blocks[(g * GROUP + r) * kb + b];
-                    out[2 * r..2 * r + 2].copy_from_slice(&blk.d.to_le_bytes());
-                    for run in 0..8 {
-                        for half in 0..2 {
-                            out[Q6_SCALES + 16 * run + 2 * r + half] =
-                                blk.scales[2 * run + half] as u8;
-                        }
+        let bytes = Self::build(blocks, kb, Q6X8_BYTES, |out, r, blk| {
+            out[2 * r..2 * r + 2].copy_from_slice(&blk.d.to_le_bytes());
+            for run in 0..8 {
+                for half in 0..2 {
+                    out[Q6_SCALES + 16 * run + 2 * r + half] = blk.scales[2 * run + half] as u8;
+                }
+            }
+            // Element l of run R = 4h + q: low 4 bits from `ql`, high 2 from `qh`.
+            let code = |run: usize, l: usize| {
+                let (h, q) = (run / 4, run % 4);
+                let low = blk.ql[64 * h + 32 * (q % 2) + l];
+                let low = if q < 2 { low & 15 } else { low >> 4 };
+                (low, (blk.qh[32 * h + l] >> (2 * q)) & 3)
+            };
+            for v in 0..8 {
+                for t in 0..4 {
+                    let l = 4 * v + t;
+                    for p in 0..4 {
+                        let (a, _) = code(2 * p, l);
+                        let (b2, _) = code(2 * p + 1, l);
+                        out[Q6_QL + 256 * p + 32 * v + 4 * r + t] = a | (b2 << 4);
                     }
-                    // Element l of run R = 4h + q: low 4 bits from `ql`, high 2 from `qh`.
-                    let code = |run: usize, l: usize| {
-                        let (h, q) = (run / 4, run % 4);
-                        let low = blk.ql[64 * h + 32 * (q % 2) + l];
-                        let low = if q < 2 { low & 15 } else { low >> 4 };
-                        (low, (blk.qh[32 * h + l] >> (2 * q)) & 3)
-                    };
-                    for v in 0..8 {
-                        for t in 0..4 {
-                            let l = 4 * v + t;
-                            for p in 0..4 {
-                                let (a, _) = code(2 * p, l);
-                                let (b2, _) = code(2 * p + 1, l);
-                                out[Q6_QL + 256 * p + 32 * v + 4 * r + t] = a | (b2 << 4);
-                            }
-                            for i in 0..2 {
-                                let mut high = 0u8;
-                                for u in 0..4 {
-                                    high |= code(4 * i + u, l).1 << (2 * u);
-                                }
-                                out[Q6_QH + 256 * i + 32 * v + 4 * r + t] = high;
-                            }
+                    for i in 0..2 {
+                        let mut high = 0u8;
+                        for u in 0..4 {
+                            high |= code(4 * i + u, l).1 << (2 * u);
                         }
+                        out[Q6_QH + 256 * i + 32 * v + 4 * r + t] = high;
                     }
                 }
             }
-        }
+        });
         Interleaved {
             bytes,
             kb,
@@ -147,9 +149,7 @@ impl Interleaved {
     ) {
         let size = if self.q4 { Q4X8_BYTES } else { Q6X8_BYTES };
         let group = self.bytes.as_ptr().add(g * self.kb * size);
-        let mut i = acts_rows.start;
-        while i < acts_rows.end {
-            let mr = (acts_rows.end - i).min(3);
+        crate::q8_x8::row_tiles(acts_rows, |i, mr| {
             let o = out.add(i * n);
             match (self.q4, mr) {
                 (true, 3) => kernels::q4_3(acts, i, group, self.kb, o, n),
@@ -159,8 +159,7 @@ impl Interleaved {
                 (false, 2) => kernels::q6_2(acts, i, group, self.kb, o, n),
                 (false, _) => kernels::q6_1(acts, i, group, self.kb, o, n),
             }
-            i += mr;
-        }
+        });
     }
 }
 
@@ -168,20 +167,8 @@ impl Interleaved {
 #[allow(clippy::needless_range_loop)]
 mod kernels {
     use super::*;
+    use crate::q8_x8::prefetch_ahead as prefetch;
     use std::arch::x86_64::*;
-
-    /// How far ahead of the block in use the group's stream is prefetched into L2.
-    const AHEAD: usize = 4096;
-
-    #[inline(always)]
-    unsafe fn prefetch(block: *const u8, size: usize) {
-        let p = block.wrapping_add(AHEAD);
-        let mut line = 0;
-        while line < size {
-            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(line) as *const i8);
-            line += 64;
-        }
-    }
 
     /// Four activation codes, broadcast to every row's four bytes.
     #[inline(always)]
