@@ -191,10 +191,7 @@ pub(crate) mod x86 {
         let block = 8 * per;
         assert!(dim % block == 0 && group >= per && group % per == 0);
         let mask = _mm256_set1_epi32((1 << bits) - 1);
-        // Lane w of block b takes the parameters of group (b·block + w·per) / group.
-        let scale_at: Vec<[usize; 8]> = (0..dim / block)
-            .map(|b| std::array::from_fn(|w| 2 * ((b * block + w * per) / group)))
-            .collect();
+        let scale_at = param_index::<8>(dim, per, group);
         let one_group = group % block == 0;
         let (mut scales, mut biases) = ([0f32; 8], [0f32; 8]);
         let mut wide = Vec::new();
@@ -202,25 +199,18 @@ pub(crate) mod x86 {
             let codes = view.codes(slot);
             let params = view.params(slot);
             assert!(codes.len() * 32 == dim * bits as usize && params.len() * group == 2 * dim);
-            // (scale, bias) pairs widened 8 at a time (`to_f32` per value pays a dispatch).
-            let n = params.len();
-            wide.resize(n, 0f32);
-            for (dst, src) in wide.chunks_exact_mut(8).zip(params.chunks_exact(8)) {
-                let h = _mm_loadu_si128(src.as_ptr().cast());
-                _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(h));
-            }
-            for i in n / 8 * 8..n {
-                wide[i] = params[i].to_f32();
-            }
+            wide.resize(params.len(), 0f32);
+            widen_params(params, &mut wide);
             for (b, cols) in row.chunks_exact_mut(block).enumerate() {
                 let at = &scale_at[b];
                 let (s, bias) = if one_group {
                     // The whole block lies in one group.
-                    (_mm256_set1_ps(wide[at[0]]), _mm256_set1_ps(wide[at[0] + 1]))
+                    let at0 = at[0] as usize;
+                    (_mm256_set1_ps(wide[at0]), _mm256_set1_ps(wide[at0 + 1]))
                 } else {
                     for w in 0..8 {
-                        scales[w] = wide[at[w]];
-                        biases[w] = wide[at[w] + 1];
+                        scales[w] = wide[at[w] as usize];
+                        biases[w] = wide[at[w] as usize + 1];
                     }
                     (
                         _mm256_loadu_ps(scales.as_ptr()),
@@ -237,6 +227,33 @@ pub(crate) mod x86 {
                     _mm256_storeu_ps(cols.as_mut_ptr().add(j * 8), f);
                 }
             }
+        }
+    }
+
+    /// Lane w of block b (blocks of `L` words, `per` codes each) takes the parameters of
+    /// group (b·block + w·per) / group: their indices in a row's (scale, bias) list,
+    /// computed once per call.
+    fn param_index<const L: usize>(dim: usize, per: usize, group: usize) -> Vec<[i32; L]> {
+        let block = L * per;
+        (0..dim / block)
+            .map(|b| std::array::from_fn(|w| (2 * ((b * block + w * per) / group)) as i32))
+            .collect()
+    }
+
+    /// A row's f16 (scale, bias) pairs as f32, 8 at a time (`to_f32` per value pays a
+    /// dispatch); `wide` is as long as `params`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn widen_params(params: &[half::f16], wide: &mut [f32]) {
+        let n = params.len();
+        for (dst, src) in wide.chunks_exact_mut(8).zip(params.chunks_exact(8)) {
+            let h = _mm_loadu_si128(src.as_ptr().cast());
+            _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+        for i in n / 8 * 8..n {
+            wide[i] = params[i].to_f32();
         }
     }
 
@@ -269,27 +286,16 @@ pub(crate) mod x86 {
         let block = 16 * per;
         assert!(dim % block == 0 && group >= per && group % per == 0);
         let mask = _mm512_set1_epi32((1 << bits) - 1);
-        // Lane w of block b takes the parameters of group (b·block + w·per) / group: their
-        // indices in the row's (scale, bias) list, computed once per call.
-        let scale_at: Vec<[i32; 16]> = (0..dim / block)
-            .map(|b| std::array::from_fn(|w| (2 * ((b * block + w * per) / group)) as i32))
-            .collect();
+        let scale_at = param_index::<16>(dim, per, group);
         let (mut scales, mut biases) = ([0f32; 16], [0f32; 16]);
         for (slot, row) in slots.zip(out.chunks_exact_mut(dim)) {
             let codes = view.codes(slot);
             let params = view.params(slot);
             assert!(codes.len() * 32 == dim * bits as usize && params.len() * group == 2 * dim);
-            // (scale, bias) pairs widened 8 at a time (`to_f32` per value pays a dispatch).
             let mut wide = [0f32; 64];
             let n = params.len();
             assert!(n <= 64, "at most 32 groups per row");
-            for (dst, src) in wide.chunks_exact_mut(8).zip(params.chunks_exact(8)) {
-                let h = _mm_loadu_si128(src.as_ptr().cast());
-                _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(h));
-            }
-            for i in n / 8 * 8..n {
-                wide[i] = params[i].to_f32();
-            }
+            widen_params(params, &mut wide[..n]);
             let first16 = _mm512_loadu_ps(wide.as_ptr());
             for (b, cols) in row.chunks_exact_mut(block).enumerate() {
                 let at = &scale_at[b];
