@@ -28,6 +28,11 @@
 #           Llama-3-8B for NCU_KVS, then the same run under Nsight Compute (clocks and caches
 #           left alone), every kernel's duration in $OUT/ncu-*.csv (bench/ncu_steps.py sums
 #           them per step); NCU_DEPTH context first, NCU_SKIP launches unprofiled
+#   weights weights-bench: tessera's Q4_0 matvec / bf16-GEMM path against an f64 reference
+#           and candle's, then every matmul of one 8B forward timed, ours and candle's
+#   e2eweights  the synthetic Llama-3-8B with tessera's weight kernels and with candle's
+#           (--candle-weights), in turn: tessera bench for each E2EW_RUNS "BATCH:DEPTH"
+#           (default "1:0 1:32768 16:32768"), --kv E2EW_KV (affine:4)
 #   promptcache  tessera cache save --device cuda, generate --prompt-cache on cuda (== cold)
 #           and cpu, bench --prompt-cache on the synthetic 270M and 8B
 #   stage   appends the carried .device/stage/sN pieces to $STAGED (each piece once)
@@ -103,6 +108,16 @@ for step in "$@"; do
           $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
             --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens 2048 --repeat 1 --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
         done; done
+      done ;;
+    weights) log weights; $B/weights-bench 2>&1 | tee $OUT/weights-bench.txt ;;
+    e2eweights)
+      log e2eweights; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      for run in ${E2EW_RUNS:-1:0 1:32768 16:32768}; do set -- ${run/:/ }
+        for flags in "" --candle-weights; do
+          echo "-- ${flags:-tessera weights}: batch $1, depth $2" | tee -a $OUT/e2e-weights.txt
+          $T bench --model /tmp/llama3-8b.gguf --device cuda --kv ${E2EW_KV:-affine:4} --depth $2 \
+            --gen-tokens 32 --prompt-tokens 2048 --repeat 1 --batch $1 $flags 2>&1 | tee -a $OUT/e2e-weights.txt
+        done
       done ;;
     verifyceiling)
       log verifyceiling; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf

@@ -68,6 +68,7 @@ pub fn device(name: &str) -> Result<Device> {
 #[cfg(feature = "cuda")]
 fn cuda_device(ordinal: usize) -> Result<Device> {
     tessera_kernels::backend::install();
+    tessera_kernels::weights::install();
     let device =
         Device::new_cuda(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?;
     if let Device::Cuda(cuda) = &device {
@@ -97,6 +98,7 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
         reencode_q5_0: !args.keep_q5_0 && device.is_cpu(),
         dequantize: args.f32_weights,
         isa: isa(args.isa.as_deref())?,
+        device_weights: !args.candle_weights,
         ..Default::default()
     };
     Ok(Model::load(&path, &options, &device)?)

@@ -42,6 +42,12 @@ pub struct ModelArgs {
     /// in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// On a GPU, run every weight matrix through candle's quantized matmuls instead of
+    /// tessera's own kernels (Q4_0: a matvec for one-row decode steps, bf16 GEMMs for
+    /// prefill chunks of 256 rows or more, candle's kernels in between on a second copy, so
+    /// Q4_0 weights take twice their size on the GPU without this flag).
+    #[arg(long)]
+    pub candle_weights: bool,
     /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512`,
     /// `avx512vnni` or `amx` (AVX-512 VNNI plus the AMX-INT8 tiles the OS grants; default:
     /// the highest this CPU runs), e.g. to measure what an AVX2-only CPU gets.

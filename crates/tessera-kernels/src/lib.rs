@@ -9,6 +9,59 @@ pub const DECODE_CU: &str = include_str!("decode.cu");
 /// Encoding, decoding and growing KV planes on the device (see the comments in the file).
 pub const PLANES_CU: &str = include_str!("planes.cu");
 
+/// Quantized weight matrices: the decode matvec and the dequantization for prefill GEMMs.
+pub const WEIGHTS_CU: &str = include_str!("weights.cu");
+
+/// Columns of a tile in the device's Q4_0 layout (weights.cu): rows of other widths stay
+/// with candle's matmul.
+pub const Q4_0_TILE: usize = 1024;
+
+/// A Q4_0 matrix of `n × k` (`k` a multiple of [`Q4_0_TILE`]) from the file's blocks (an
+/// f16 scale, then 16 code bytes: byte i holds weight i in its low nibble and weight i + 16
+/// in its high one) into weights.cu's code and scale planes.
+pub fn q4_0_planes(blocks: &[u8], n: usize, k: usize) -> anyhow::Result<(Vec<u8>, Vec<u16>)> {
+    if k % Q4_0_TILE != 0 {
+        anyhow::bail!("Q4_0 matrix of width {k}: the device layout takes multiples of {Q4_0_TILE}");
+    }
+    let kb = k / 32;
+    if blocks.len() < n * kb * 18 {
+        anyhow::bail!(
+            "Q4_0 matrix {n}×{k}: {} bytes, expected {}",
+            blocks.len(),
+            n * kb * 18
+        );
+    }
+    let mut codes = vec![0u8; n * k / 2];
+    let mut scales = vec![0u16; n * kb];
+    for row in 0..n {
+        for tile in 0..k / Q4_0_TILE {
+            let base = row * kb + tile * 32; // the tile's first block, row-major
+            for lane in 0..32 {
+                let out = &mut codes[(base + lane) * 16..(base + lane + 1) * 16];
+                for q in 0..8 {
+                    let block = &blocks[(base + 4 * q + lane / 8) * 18..][..18];
+                    for e in 0..4 {
+                        let p = 4 * (lane % 8) + e; // position in the block
+                        let code = if p < 16 {
+                            block[2 + p] & 15
+                        } else {
+                            block[2 + p - 16] >> 4
+                        };
+                        out[4 * (q / 2) + e] |= code << (4 * (q % 2));
+                    }
+                }
+            }
+            for a in 0..4 {
+                for q in 0..8 {
+                    let block = &blocks[(base + 4 * q + a) * 18..][..2];
+                    scales[base + a * 8 + q] = u16::from_le_bytes([block[0], block[1]]);
+                }
+            }
+        }
+    }
+    Ok((codes, scales))
+}
+
 /// Positions a decode block covers per step of its loop: 4 warps × 16 rows for the
 /// tensor-core kernel, and a multiple of the CUDA-core kernel's step (4 warps × 256/d rows,
 /// × its unroll) for every head dim. Splits are whole steps.
@@ -39,10 +92,53 @@ pub fn plan_splits(
 pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod weights;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Reads weight (row, col) back from the planes as weights.cu's comment lays them out,
+    /// and compares it with the file block's value: every weight lands once, in its place.
+    #[test]
+    fn q4_0_planes_hold_every_weight_where_the_kernel_reads_it() {
+        let (n, k) = (3, 2048);
+        let kb = k / 32;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let blocks: Vec<u8> = (0..n * kb * 18)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        let (codes, scales) = q4_0_planes(&blocks, n, k).unwrap();
+        for row in 0..n {
+            for col in 0..k {
+                // The file: block col / 32, position col % 32.
+                let block = &blocks[(row * kb + col / 32) * 18..][..18];
+                let p = col % 32;
+                let want = if p < 16 {
+                    block[2 + p] & 15
+                } else {
+                    block[2 + p - 16] >> 4
+                };
+                let want_scale = u16::from_le_bytes([block[0], block[1]]);
+                // The planes: tile, step q = (col % 1024) / 128, lane L, weight e.
+                let (tile, c) = (col / 1024, col % 1024);
+                let (q, lane, e) = (c / 128, (c % 128) / 4, c % 4);
+                let word = row * k / 2 + (tile * 32 + lane) * 16 + 4 * (q / 2);
+                let got = (codes[word + e] >> (4 * (q % 2))) & 15;
+                assert_eq!(got, want, "row {row} col {col}");
+                let scale = scales[row * kb + tile * 32 + (lane / 8) * 8 + q];
+                assert_eq!(scale, want_scale, "row {row} col {col} scale");
+            }
+        }
+        assert!(q4_0_planes(&blocks, n, 1000).is_err());
+        assert!(q4_0_planes(&blocks[..100], n, k).is_err());
+    }
 
     #[test]
     fn splits_cover_every_position_once_in_whole_steps() {

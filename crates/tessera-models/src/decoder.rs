@@ -915,6 +915,11 @@ impl Decoder {
 }
 
 fn as_matmul(t: QTensor, options: &LoadOptions) -> Result<Linear, ModelError> {
+    if options.device_weights && !options.dequantize {
+        if let Some(m) = crate::device_weights::matrix(&t)? {
+            return Ok(Linear::Device(m));
+        }
+    }
     Ok(Linear::new(t, options.dequantize, options.isa)?)
 }
 

@@ -8,6 +8,7 @@
 
 mod activation;
 pub mod decoder;
+pub mod device_weights;
 mod error;
 pub mod gguf;
 pub mod kquant;
@@ -51,6 +52,10 @@ pub struct LoadOptions {
     /// [`Isa::Avx2`] (wider paths at [`Isa::Avx512Vnni`]), candle's quantized matmul below
     /// it; gelu's AVX2 + FMA loop from [`Isa::Avx2`].
     pub isa: Isa,
+    /// On a GPU, hand quantized matrices to the installed weight backend
+    /// ([`device_weights`]) where it takes them; off, they all run candle's quantized
+    /// matmuls (to compare the two).
+    pub device_weights: bool,
 }
 
 impl Default for LoadOptions {
@@ -60,6 +65,7 @@ impl Default for LoadOptions {
             dequantize: false,
             mlp_activation: MlpActivation::Architecture,
             isa: Isa::detected(),
+            device_weights: true,
         }
     }
 }

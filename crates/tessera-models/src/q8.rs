@@ -732,6 +732,8 @@ pub enum Linear {
     Q8(Q8Matrix),
     /// Q4_K / Q6_K at [`Isa::Avx2`] and above ([`KMatrix`]).
     K(KMatrix),
+    /// On a GPU, in the installed weight backend's layout ([`crate::device_weights`]).
+    Device(Box<dyn crate::device_weights::DeviceMatrix>),
     Candle(candle_core::quantized::QMatMul),
 }
 
@@ -755,7 +757,7 @@ impl Linear {
 
     /// Whether [`Linear::row`] serves rows: the matrix is in one of our layouts.
     pub fn has_rows(&self) -> bool {
-        !matches!(self, Linear::Candle(_))
+        matches!(self, Linear::Q8(_) | Linear::K(_))
     }
 
     /// Row `j` of the weights dequantized (an embedding lookup on a tied matrix), where
@@ -764,7 +766,7 @@ impl Linear {
         match self {
             Linear::Q8(m) => Some(m.row(j)),
             Linear::K(m) => Some(m.row(j)),
-            Linear::Candle(_) => None,
+            Linear::Device(_) | Linear::Candle(_) => None,
         }
     }
 
@@ -772,6 +774,7 @@ impl Linear {
         match self {
             Linear::Q8(m) => m.forward(x),
             Linear::K(m) => m.forward(x),
+            Linear::Device(m) => m.forward(x),
             Linear::Candle(candle_core::quantized::QMatMul::Tensor(_))
                 if x.device().is_cpu() && x.rank() == 3 && x.dim(0)? > 1 && x.dim(1)? == 1 =>
             {
@@ -841,6 +844,22 @@ fn stack_quantized(parts: &[&QTensor]) -> Result<Option<QTensor>> {
 
 impl Projections {
     pub fn new(parts: Vec<Linear>) -> Result<Self> {
+        let device: Option<Vec<&dyn crate::device_weights::DeviceMatrix>> = parts
+            .iter()
+            .map(|p| match p {
+                Linear::Device(m) => Some(m.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if let Some(device) = device {
+            if let Some(matrix) = crate::device_weights::stack(&device)? {
+                let widths = device.iter().map(|m| m.out_features()).collect();
+                return Ok(Projections::Stacked {
+                    matrix: Linear::Device(matrix),
+                    widths,
+                });
+            }
+        }
         let q8_width = |p: &Linear| match p {
             Linear::Q8(m) => Some(m.k),
             _ => None,

@@ -1,0 +1,147 @@
+//! Device weights: the hook through which a GPU backend keeps quantized weight matrices in
+//! its own layout and runs their matmuls (a matvec at the memory floor for decode steps, a
+//! dequantize-and-GEMM for prefill chunks). tessera-models defines the interface and stays
+//! CPU-only; tessera-kernels (feature `cuda`) implements it and is installed once per process
+//! with [`install`]. A matrix the backend does not take stays with candle's quantized matmul.
+
+use candle_core::quantized::QTensor;
+use candle_core::{Result, Tensor};
+use std::any::Any;
+use std::sync::OnceLock;
+
+/// One weight matrix (`out_features × in_features`) in a backend's layout, on its device.
+pub trait DeviceMatrix: Send + Sync {
+    fn out_features(&self) -> usize;
+    fn in_features(&self) -> usize;
+    /// `x · Wᵀ` for f32 `x` of shape `(…, in_features)`: f32 `(…, out_features)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// The concrete matrix, for [`WeightBackend::stack`].
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Makes device matrices.
+pub trait WeightBackend: Send + Sync {
+    /// `t` (on a device) in this backend's layout; `Ok(None)` where the backend does not
+    /// serve `t`'s device or type, which then stays with candle's matmul.
+    fn matrix(&self, t: &QTensor) -> Result<Option<Box<dyn DeviceMatrix>>>;
+    /// `parts` as one matrix, their rows stacked in order (one launch for several
+    /// projections of the same input); `Ok(None)` where they cannot be stacked.
+    fn stack(&self, parts: &[&dyn DeviceMatrix]) -> Result<Option<Box<dyn DeviceMatrix>>>;
+}
+
+static BACKEND: OnceLock<Box<dyn WeightBackend>> = OnceLock::new();
+
+/// Installs the process's weight backend; a second call keeps the first.
+pub fn install(backend: Box<dyn WeightBackend>) {
+    let _ = BACKEND.set(backend);
+}
+
+/// `t` as a device matrix of the installed backend, where one is installed and takes it.
+pub(crate) fn matrix(t: &QTensor) -> Result<Option<Box<dyn DeviceMatrix>>> {
+    match BACKEND.get() {
+        Some(backend) if !t.device().is_cpu() => backend.matrix(t),
+        _ => Ok(None),
+    }
+}
+
+/// `parts` stacked by the installed backend, where it can.
+pub(crate) fn stack(parts: &[&dyn DeviceMatrix]) -> Result<Option<Box<dyn DeviceMatrix>>> {
+    match BACKEND.get() {
+        Some(backend) if !parts.is_empty() => backend.stack(parts),
+        _ => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::q8::{Linear, Projections};
+    use candle_core::{Device, Tensor};
+
+    /// A stand-in backend on the CPU: f32 matrices, stacked by concatenating rows.
+    struct Dense(Tensor);
+    impl DeviceMatrix for Dense {
+        fn out_features(&self) -> usize {
+            self.0.dim(0).unwrap_or(0)
+        }
+        fn in_features(&self) -> usize {
+            self.0.dim(1).unwrap_or(0)
+        }
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            x.broadcast_matmul(&self.0.t()?)
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+    struct Stacker;
+    impl WeightBackend for Stacker {
+        fn matrix(&self, _: &QTensor) -> Result<Option<Box<dyn DeviceMatrix>>> {
+            Ok(None)
+        }
+        fn stack(&self, parts: &[&dyn DeviceMatrix]) -> Result<Option<Box<dyn DeviceMatrix>>> {
+            let dense: Option<Vec<Tensor>> = parts
+                .iter()
+                .map(|p| p.as_any().downcast_ref::<Dense>().map(|d| d.0.clone()))
+                .collect();
+            match dense {
+                Some(d) => Ok(Some(Box::new(Dense(Tensor::cat(&d, 0)?)))),
+                None => Ok(None),
+            }
+        }
+    }
+
+    #[test]
+    fn device_projections_stack_through_the_backend_and_split_back() {
+        install(Box::new(Stacker));
+        let dev = Device::Cpu;
+        let parts: Vec<Tensor> = [5usize, 3, 3]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Tensor::randn(0f32, 1.0, (n, 8), &dev).map(|t| (t + i as f64).unwrap()))
+            .collect::<Result<_>>()
+            .unwrap();
+        let linears = parts
+            .iter()
+            .map(|w| Linear::Device(Box::new(Dense(w.clone()))))
+            .collect();
+        let proj = Projections::new(linears).unwrap();
+        let Projections::Stacked { widths, .. } = &proj else {
+            panic!("device parts were not stacked");
+        };
+        assert_eq!(widths, &[5, 3, 3]);
+        let x = Tensor::randn(0f32, 1.0, (2, 1, 8), &dev).unwrap();
+        let outs = proj.forward(&x).unwrap();
+        for (w, y) in parts.iter().zip(&outs) {
+            // f64 reference of each part on its own.
+            let w64: Vec<Vec<f64>> = w
+                .to_dtype(candle_core::DType::F64)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+            let x64: Vec<f64> = x
+                .flatten_all()
+                .unwrap()
+                .to_dtype(candle_core::DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let got: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(got.len(), 2 * w64.len());
+            for r in 0..2 {
+                for (j, row) in w64.iter().enumerate() {
+                    let want: f64 = row
+                        .iter()
+                        .zip(&x64[r * 8..r * 8 + 8])
+                        .map(|(a, b)| a * b)
+                        .sum();
+                    let g = got[r * w64.len() + j] as f64;
+                    assert!(
+                        (g - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "row {r} out {j}: {g} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
