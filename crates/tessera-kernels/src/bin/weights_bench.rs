@@ -66,6 +66,22 @@ fn reference_row(bytes: &[u8], k: usize, j: usize) -> Vec<f64> {
     row
 }
 
+/// `len` inputs uniform in [-1, 1).
+fn inputs(rng: &mut Rng, len: usize) -> Vec<f32> {
+    (0..len).map(|_| (rng.unit() * 2.0 - 1.0) as f32).collect()
+}
+
+/// `x · Wᵀ` in f64 for the rows of `x` (each `k` long) against reference rows `w`.
+fn reference_out(w: &[Vec<f64>], x: &[f32], k: usize) -> Vec<f64> {
+    x.chunks_exact(k)
+        .flat_map(|xr| {
+            w.iter()
+                .map(|row| row.iter().zip(xr).map(|(a, b)| a * *b as f64).sum::<f64>())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 fn cuda(device: &Device) -> Result<&candle_core::CudaDevice> {
     match device {
         Device::Cuda(d) => Ok(d),
@@ -128,17 +144,8 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
         let rows: Vec<Vec<f64>> = (0..n).map(|j| reference_row(&bytes, k, j)).collect();
         for m in [1, 2, 3, 4, 5, 8, 9, 16, 64] {
             // Both paths at every m: matvec launches (chunks of 8) and the bf16 GEMM.
-            let x: Vec<f32> = (0..m * k)
-                .map(|_| (rng.unit() * 2.0 - 1.0) as f32)
-                .collect();
-            let want: Vec<f64> = (0..m)
-                .flat_map(|r| {
-                    let xr = &x[r * k..(r + 1) * k];
-                    rows.iter()
-                        .map(|w| w.iter().zip(xr).map(|(a, b)| a * *b as f64).sum::<f64>())
-                        .collect::<Vec<_>>()
-                })
-                .collect();
+            let x = inputs(&mut rng, m * k);
+            let want = reference_out(&rows, &x, k);
             let xt = Tensor::from_vec(x, (1, m, k), device)?;
             let theirs = candle.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
             let matvec = ours.forward_matvec(&xt)?;
@@ -168,17 +175,8 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
         .ok_or_else(|| anyhow!("the backend refused a Q4_0 matrix"))?;
     let rows: Vec<Vec<f64>> = (0..n).map(|j| reference_row(&bytes, k, j)).collect();
     for (m, tol) in [(1, 1e-5), (16, 2e-2), (300, 1e-2)] {
-        let x: Vec<f32> = (0..m * k)
-            .map(|_| (rng.unit() * 2.0 - 1.0) as f32)
-            .collect();
-        let want: Vec<f64> = (0..m)
-            .flat_map(|r| {
-                let xr = &x[r * k..(r + 1) * k];
-                rows.iter()
-                    .map(|w| w.iter().zip(xr).map(|(a, b)| a * *b as f64).sum::<f64>())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
+        let x = inputs(&mut rng, m * k);
+        let want = reference_out(&rows, &x, k);
         let xt = Tensor::from_vec(x, (m, k), device)?;
         let got = policy.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
         let same = got.clone();
@@ -201,18 +199,12 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
     let stacked = backend
         .stack(&refs)?
         .ok_or_else(|| anyhow!("the backend refused to stack Q4_0 matrices"))?;
-    let x: Vec<f32> = (0..1024).map(|_| (rng.unit() * 2.0 - 1.0) as f32).collect();
-    let want: Vec<f64> = parts
+    let x = inputs(&mut rng, 1024);
+    let rows: Vec<Vec<f64>> = parts
         .iter()
-        .flat_map(|(n, b)| {
-            (0..*n)
-                .map(|j| {
-                    let w = reference_row(b, 1024, j);
-                    w.iter().zip(&x).map(|(a, b)| a * *b as f64).sum::<f64>()
-                })
-                .collect::<Vec<_>>()
-        })
+        .flat_map(|(n, b)| (0..*n).map(|j| reference_row(b, 1024, j)))
         .collect();
+    let want = reference_out(&rows, &x, 1024);
     let xt = Tensor::from_vec(x, (1, 1024), device)?;
     let got = stacked.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
     let fake_candle = got.clone();
