@@ -3,12 +3,14 @@
 use crate::commands::{load, scheme_of};
 use crate::{KvArgs, ModelArgs};
 use anyhow::{bail, Result};
-use candle_core::Tensor;
 use std::path::Path;
 use std::time::Instant;
-use tessera_engine::{prompt_cache, Session, DEFAULT_PREFILL_CHUNK};
-use tessera_kv::{KvCache, KvScheme};
-use tessera_models::{LogitsMode, Model};
+use tessera_engine::{
+    prompt_cache, Batch, BatchLimits, BatchTimes, GenerationRequest, SamplerConfig, Session,
+    DEFAULT_PREFILL_CHUNK,
+};
+use tessera_kv::KvScheme;
+use tessera_models::Model;
 
 /// Deterministic token ids in the ordinary-text range of the vocabulary: past the first
 /// 1000 ids (where real vocabularies keep special and byte tokens), or in the upper three
@@ -45,52 +47,91 @@ pub struct Shape {
     pub batch: usize,
 }
 
-/// `batch` rows of one model run: each row its own token stream, equal lengths, no
-/// padding, fed through the model as one batch.
-struct Rows<'m> {
-    model: &'m Model,
-    cache: KvCache,
+/// A [`Batch`] (the step engine `serve` runs) for `rows` greedy requests, with no budget.
+fn engine<'m>(model: &'m Model, scheme: &KvScheme, rows: usize) -> Result<Batch<'m>> {
+    let limits = BatchLimits {
+        max_batch: rows,
+        kv_budget: None,
+        max_queue: rows,
+    };
+    Ok(Batch::new(model, scheme, DEFAULT_PREFILL_CHUNK, limits)?)
 }
 
-impl<'m> Rows<'m> {
-    fn new(model: &'m Model, scheme: &KvScheme, batch: usize) -> Result<Self> {
-        Ok(Rows {
-            model,
-            cache: KvCache::new(&model.layer_specs(), scheme, vec![0; batch])?
-                .with_isa(model.isa()),
-        })
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
+    GenerationRequest {
+        prompt,
+        max_tokens,
+        sampler: SamplerConfig::default(),
+        stop_tokens: Vec::new(),
+        stop_strings: Vec::new(),
+        logprobs: None,
     }
+}
 
-    /// Feeds `tokens` to every row in prefill-size chunks; returns each row's greedy next
-    /// token (reading the logits back also waits for the device).
-    fn feed(&mut self, tokens: &[u32]) -> Result<Vec<u32>> {
-        let batch = self.cache.batch();
-        let mut logits = None;
-        for chunk in tokens.chunks(tessera_engine::DEFAULT_PREFILL_CHUNK) {
-            let ids: Vec<u32> = (0..batch).flat_map(|_| chunk.iter().copied()).collect();
-            let ids = Tensor::from_vec(ids, (batch, chunk.len()), self.model.device())?;
-            logits = Some(
-                self.model
-                    .forward(&ids, &mut self.cache, LogitsMode::Last)?,
-            );
-        }
-        let logits = logits.expect("at least one chunk").squeeze(1)?;
-        Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1()?)
+/// Reads `prompt` as `rows` requests that each stop at their first token: the prompts are
+/// read one after another, as the server reads them. Returns prompt tokens per second.
+fn prefill_rate(model: &Model, scheme: &KvScheme, rows: usize, prompt: &[u32]) -> Result<f64> {
+    let mut batch = engine(model, scheme, rows)?;
+    for _ in 0..rows {
+        batch.add(greedy(prompt.to_vec(), 1))?;
     }
+    let t = Instant::now();
+    while !batch.is_idle() {
+        batch.step()?;
+    }
+    Ok((rows * prompt.len()) as f64 / t.elapsed().as_secs_f64())
+}
 
-    /// One decode step: row r gets `next[r]`. Also returns the seconds the host took to
-    /// submit the step (the forward pass returning), before waiting for its tokens: on a
-    /// GPU, a step whose submit time is close to its total is bound by the host.
-    fn step(&mut self, next: &[u32]) -> Result<(Vec<u32>, f64)> {
-        let t = Instant::now();
-        let ids = Tensor::from_slice(next, (next.len(), 1), self.model.device())?;
-        let logits = self
-            .model
-            .forward(&ids, &mut self.cache, LogitsMode::Last)?;
-        let argmax = logits.squeeze(1)?.argmax(candle_core::D::Minus1)?;
-        let submit = t.elapsed().as_secs_f64();
-        Ok((argmax.to_vec1()?, submit))
+/// Decode of `rows` requests at `depth` tokens of context: the context is read once (not
+/// timed) and every request resumes from a copy of it; once all rows run, one untimed
+/// step, then `steps` timed. Returns the batch's times over the timed steps, the running
+/// rows' KV bytes and the bytes one position costs.
+fn decode_times(
+    model: &Model,
+    scheme: &KvScheme,
+    rows: usize,
+    context: &[u32],
+    steps: usize,
+) -> Result<(BatchTimes, usize, usize)> {
+    let mut session = Session::new(model, scheme, DEFAULT_PREFILL_CHUNK)?;
+    let held = context.len() - 1;
+    if held > 0 {
+        session.feed(&context[..held])?;
     }
+    let mut batch = engine(model, scheme, rows)?;
+    // Rows join one step apart and decode from then on: enough tokens for every row to
+    // run through the warm-up and the timed steps.
+    let max_tokens = rows + steps + 4;
+    for _ in 0..rows {
+        let cache = session.cache().extract(0)?;
+        batch
+            .add_resumed(greedy(context.to_vec(), max_tokens), cache, held)
+            .map_err(|refused| refused.error)?;
+    }
+    while batch.running() < rows {
+        batch.step()?;
+    }
+    batch.step()?;
+    let before = *batch.times();
+    for _ in 0..steps {
+        batch.step()?;
+    }
+    let after = *batch.times();
+    if batch.running() < rows {
+        bail!("a row left the batch during the timed steps");
+    }
+    let times = BatchTimes {
+        decode: after.decode - before.decode,
+        decode_steps: after.decode_steps - before.decode_steps,
+        decode_rows: after.decode_rows - before.decode_rows,
+        decode_submit: after.decode_submit - before.decode_submit,
+        ..BatchTimes::default()
+    };
+    Ok((
+        times,
+        batch.kv_bytes_allocated(),
+        session.cache().bytes_per_token(),
+    ))
 }
 
 pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result<()> {
@@ -120,35 +161,24 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
     let prompt = synthetic_tokens(prompt_tokens, model.vocab_size(), bos);
     let mut rates = Vec::with_capacity(repeat);
     for run in 0..=repeat {
-        let mut rows = Rows::new(&model, &scheme, batch)?;
-        let t = Instant::now();
-        rows.feed(&prompt)?;
+        let rate = prefill_rate(&model, &scheme, batch, &prompt)?;
         if run > 0 {
-            rates.push((batch * prompt_tokens) as f64 / t.elapsed().as_secs_f64());
+            rates.push(rate);
         }
     }
     let prefill_tps = rates.iter().sum::<f64>() / rates.len() as f64;
     let prefill_sd =
         (rates.iter().map(|r| (r - prefill_tps).powi(2)).sum::<f64>() / rates.len() as f64).sqrt();
     // Decode: `depth` tokens of context first (not timed), then greedy steps.
-    let mut rows = Rows::new(&model, &scheme, batch)?;
     let context = synthetic_tokens(depth.max(1), model.vocab_size(), bos);
-    let mut next = rows.feed(&context)?;
-    // One untimed step warms the decode path.
-    next = rows.step(&next)?.0;
-    let t = Instant::now();
-    let mut submit = 0.0;
-    for _ in 0..gen_tokens {
-        let (n, s) = rows.step(&next)?;
-        (next, submit) = (n, submit + s);
-    }
-    let elapsed = t.elapsed().as_secs_f64();
-    let decode_tps = (batch * gen_tokens) as f64 / elapsed;
+    let (times, kv_allocated, kv_per_token) =
+        decode_times(&model, &scheme, batch, &context, gen_tokens)?;
+    let elapsed = times.decode.as_secs_f64();
+    let decode_tps = times.decode_rows as f64 / elapsed;
     let (step_ms, submit_ms) = (
-        1e3 * elapsed / gen_tokens as f64,
-        1e3 * submit / gen_tokens as f64,
+        1e3 * elapsed / times.decode_steps as f64,
+        1e3 * times.decode_submit.as_secs_f64() / times.decode_steps as f64,
     );
-    let cache = &rows.cache;
     let rss = peak_rss_bytes().unwrap_or(0);
     if json {
         println!(
@@ -156,7 +186,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             serde_json::json!({
                 "model": model.architecture(), "device": margs.device, "isa": model.isa().to_string(), "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
                 "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps, "decode_step_ms": step_ms, "decode_submit_ms": submit_ms,
-                "peak_rss_bytes": rss, "kv_bytes_per_token": cache.bytes_per_token(), "kv_allocated_bytes": cache.allocated_bytes(),
+                "peak_rss_bytes": rss, "kv_bytes_per_token": kv_per_token, "kv_allocated_bytes": kv_allocated,
             })
         );
     } else {
@@ -168,7 +198,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             candle_core::utils::get_num_threads(),
             model.isa()
         );
-        println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up; all rows)");
+        println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up; all rows' prompts, read one after another)");
         println!(
             "decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth}; all rows; a \
              step {step_ms:.2} ms, {submit_ms:.2} of them submitting)"
@@ -176,8 +206,8 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         println!(
             "peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated",
             rss as f64 / 1048576.0,
-            cache.bytes_per_token(),
-            cache.allocated_bytes() as f64 / 1048576.0
+            kv_per_token,
+            kv_allocated as f64 / 1048576.0
         );
     }
     Ok(())

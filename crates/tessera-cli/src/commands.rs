@@ -415,6 +415,7 @@ pub fn chat(
         Ok(match &base {
             Some(b) => Session::with_cache(
                 &model,
+                &b.scheme,
                 b.cache.extract(0)?,
                 b.tokens[0].clone(),
                 prefill_chunk,

@@ -214,7 +214,8 @@ enum Command {
         /// Timed prefill runs (after one untimed warm-up run).
         #[arg(long, default_value_t = 3)]
         repeat: usize,
-        /// Sequences decoded together (rows of one batch, equal lengths).
+        /// Requests run together on the step engine: their prompts read one after another
+        /// (the prefill figure), then decoded as rows of one batch from the same context.
         #[arg(long, default_value_t = 1)]
         batch: usize,
         #[command(flatten)]

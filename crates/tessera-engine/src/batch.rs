@@ -1,11 +1,11 @@
 //! The step-level engine: a [`Batch`] of requests decoded together, which requests join and
 //! leave between steps (continuous batching).
 //!
-//! `add` queues a validated [`GenerationRequest`]; each `step` reads one bounded chunk of
-//! the oldest admitted request's prompt into a cache of its own (so running streams keep
-//! flowing while a long prompt is read), and then decodes one token for every running row.
+//! `add` queues a validated [`GenerationRequest`]; each `step` decodes one token for every
+//! running row, and then reads one bounded chunk of the oldest admitted request's prompt
+//! into a cache of its own (so running streams keep flowing while a long prompt is read).
 //! A request whose prompt is read samples its first token, and its one-row cache is merged
-//! into the running batch (codes copied as stored, for every KV codec); a request that
+//! into the running batch, which it decodes with from the next step (codes copied as stored, for every KV codec); a request that
 //! finishes, or is cancelled, is filtered out at the step that ends it. Rows keep their own
 //! ends, so nothing is padded or recomputed when rows come and go. Admission control: at
 //! most `max_batch` running rows, the KV bytes every admitted request may grow to within
@@ -21,6 +21,7 @@ use crate::EngineError;
 use candle_core::Tensor;
 use std::collections::VecDeque;
 use std::path::Path;
+use std::time::{Duration, Instant};
 use tessera_kv::{AttentionCache, KvCache, KvScheme, Retention};
 use tessera_models::{LogitsMode, Model, Tokenizer};
 
@@ -98,6 +99,8 @@ pub enum Event {
     Finished {
         id: RequestId,
         reason: StopReason,
+        /// The stop token that ended the request, when [`StopReason::EndToken`] did.
+        stop_token: Option<u32>,
         prompt_tokens: usize,
         completion_tokens: usize,
         /// Prompt tokens a stored prefix gave (not read again).
@@ -162,12 +165,46 @@ struct Row {
     text: Option<StopText>,
     /// Why the request cannot go on (reported by [`Row::finished`]).
     failure: Option<String>,
+    /// The stop token that ended the request.
+    stop_token: Option<u32>,
     logprobs: Option<usize>,
     /// The token fed at the next step.
     next: u32,
     kv_bytes: usize,
     /// With speculation: tokens the next round drafts at most.
     draft_len: DraftLength,
+}
+
+/// A request [`Batch::add_resumed`] refused, and the cache it was given back.
+#[derive(Debug)]
+pub struct Refused {
+    pub error: EngineError,
+    pub cache: KvCache,
+}
+
+/// A queued request, with the cache of its prompt's first tokens when the caller gave one
+/// ([`Batch::add_resumed`]).
+struct Waiting {
+    id: RequestId,
+    request: GenerationRequest,
+    resumed: Option<(KvCache, usize)>,
+}
+
+/// Where a [`Batch`]'s time went: its forward passes as the host saw them (each including
+/// the wait for its logits or tokens, and sampling).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BatchTimes {
+    /// Prompt chunks read, and the prompt tokens they held.
+    pub prefill: Duration,
+    pub prefill_tokens: usize,
+    /// Decode steps (plain or speculative), and the row-steps they covered.
+    pub decode: Duration,
+    pub decode_steps: usize,
+    pub decode_rows: usize,
+    /// Of `decode`: the host's time until the forward pass returned, before waiting for
+    /// its results. On a GPU, a step whose submit time is close to its whole time is bound
+    /// by the host.
+    pub decode_submit: Duration,
 }
 
 /// A request whose prompt is being read into a cache of its own.
@@ -203,13 +240,17 @@ pub struct Batch<'m> {
     running: Option<KvCache>,
     rows: Vec<Row>,
     prefill: Option<Prefill>,
-    waiting: VecDeque<(RequestId, GenerationRequest)>,
+    waiting: VecDeque<Waiting>,
     /// Running rows cancelled since the last step.
     cancelled: Vec<RequestId>,
     next_id: RequestId,
     prefixes: Option<PrefixCache<'m>>,
     spec: Option<BatchSpec>,
     spec_stats: SpecStats,
+    /// Rows of finished or cancelled requests kept for [`Batch::take_row`]
+    /// ([`Batch::keeping_rows`]), with the tokens each holds.
+    kept: Option<Vec<(RequestId, Vec<u32>, KvCache)>>,
+    times: BatchTimes,
 }
 
 impl<'m> Batch<'m> {
@@ -257,7 +298,57 @@ impl<'m> Batch<'m> {
             prefixes: None,
             spec: None,
             spec_stats: SpecStats::default(),
+            kept: None,
+            times: BatchTimes::default(),
         })
+    }
+
+    /// Keeps the row of every request that leaves (finished, failed or cancelled) with
+    /// the tokens its cache holds, until [`Batch::take_row`] hands it over: a caller that
+    /// continues the sequence (a chat's next turn, a prompt cache to save) resumes from it.
+    pub fn keeping_rows(mut self) -> Self {
+        self.kept = Some(Vec::new());
+        self
+    }
+
+    /// Hands over request `id`'s row: the tokens its cache holds and the cache (one row).
+    /// A request still decoding leaves the batch now (as if cancelled); one still waiting
+    /// gives back the cache it was queued with ([`Batch::add_resumed`]). `None`, with
+    /// nothing changed, in a batch that does not keep rows ([`Batch::keeping_rows`]), and
+    /// when the request holds no cache.
+    pub fn take_row(&mut self, id: RequestId) -> Result<Option<(Vec<u32>, KvCache)>, EngineError> {
+        if self.kept.is_none() {
+            return Ok(None);
+        }
+        if let Some(i) = self.rows.iter().position(|r| r.id == id) {
+            self.remove_rows(&[i])?;
+        }
+        if self.prefill.as_ref().is_some_and(|p| p.id == id) {
+            if let Some(p) = self.prefill.take() {
+                let mut tokens = p.request.prompt;
+                tokens.truncate(p.fed);
+                return Ok(Some((tokens, p.cache)));
+            }
+        }
+        if let Some(at) = self.waiting.iter().position(|w| w.id == id) {
+            return Ok(self.waiting.remove(at).and_then(|w| {
+                let (cache, held) = w.resumed?;
+                let mut tokens = w.request.prompt;
+                tokens.truncate(held);
+                Some((tokens, cache))
+            }));
+        }
+        let kept = self.kept.as_mut();
+        Ok(kept.and_then(|k| {
+            let at = k.iter().position(|(r, _, _)| *r == id)?;
+            let (_, tokens, cache) = k.swap_remove(at);
+            Some((tokens, cache))
+        }))
+    }
+
+    /// Where the batch's time went so far.
+    pub fn times(&self) -> &BatchTimes {
+        &self.times
     }
 
     /// Detokenizes each row's output as it is generated: [`Event::Token`] and
@@ -375,6 +466,53 @@ impl<'m> Batch<'m> {
     /// prompt + `max_tokens` exceed the model's context or could never fit the KV budget,
     /// and when the queue is full.
     pub fn add(&mut self, request: GenerationRequest) -> Result<RequestId, EngineError> {
+        self.check(&request)?;
+        Ok(self.enqueue(request, None))
+    }
+
+    /// [`Batch::add`] for a request whose first `held` prompt tokens `cache` (one row)
+    /// already holds, e.g. the previous turn of a conversation or a prompt cache: only the
+    /// rest of the prompt is read. Refused as `add` refuses, and when the cache does not
+    /// hold exactly `held` positions or leaves no prompt token to read; the cache comes back
+    /// with the error.
+    pub fn add_resumed(
+        &mut self,
+        request: GenerationRequest,
+        cache: KvCache,
+        held: usize,
+    ) -> Result<RequestId, Box<Refused>> {
+        if let Err(error) = self.check(&request) {
+            return Err(Box::new(Refused { error, cache }));
+        }
+        if cache.offsets() != [held] || held >= request.prompt.len() {
+            let error = EngineError::Invalid(format!(
+                "a resumed request's cache must be one row holding {held} of its {} prompt \
+                 tokens (at least one left to read), not rows of {:?}",
+                request.prompt.len(),
+                cache.offsets()
+            ));
+            return Err(Box::new(Refused { error, cache }));
+        }
+        Ok(self.enqueue(request, Some((cache, held))))
+    }
+
+    fn enqueue(
+        &mut self,
+        request: GenerationRequest,
+        resumed: Option<(KvCache, usize)>,
+    ) -> RequestId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back(Waiting {
+            id,
+            request,
+            resumed,
+        });
+        id
+    }
+
+    /// What `add` refuses.
+    fn check(&self, request: &GenerationRequest) -> Result<(), EngineError> {
         if request.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -416,16 +554,13 @@ impl<'m> Batch<'m> {
                 limit: self.limits.max_queue,
             });
         }
-        let id = self.next_id;
-        self.next_id += 1;
-        self.waiting.push_back((id, request));
-        Ok(id)
+        Ok(())
     }
 
     /// Cancels request `id` wherever it is; its row and KV are freed at the next step.
     /// Returns whether the request was still live.
     pub fn cancel(&mut self, id: RequestId) -> bool {
-        if let Some(at) = self.waiting.iter().position(|(w, _)| *w == id) {
+        if let Some(at) = self.waiting.iter().position(|w| w.id == id) {
             self.waiting.remove(at);
             return true;
         }
@@ -440,13 +575,15 @@ impl<'m> Batch<'m> {
         false
     }
 
-    /// One step: a chunk of the oldest admitted prompt, then one token for every running row.
+    /// One step: one token for every running row, then a chunk of the oldest admitted
+    /// prompt (rows that finished make room for it). A request whose prompt is read samples
+    /// its first token and decodes from the next step on, one token a step.
     pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
         let mut events = Vec::new();
         self.drop_cancelled()?;
+        self.decode(&mut events)?;
         self.admit()?;
         self.prefill_chunk(&mut events)?;
-        self.decode(&mut events)?;
         Ok(events)
     }
 
@@ -455,7 +592,7 @@ impl<'m> Batch<'m> {
         if self.prefill.is_some() || self.rows.len() >= self.limits.max_batch {
             return Ok(());
         }
-        let Some((_, request)) = self.waiting.front() else {
+        let Some(Waiting { request, .. }) = self.waiting.front() else {
             return Ok(());
         };
         let bytes = self.kv_bytes_for(request.prompt.len() + request.max_tokens);
@@ -464,14 +601,20 @@ impl<'m> Batch<'m> {
                 return Ok(());
             }
         }
-        let Some((id, request)) = self.waiting.pop_front() else {
+        let Some(Waiting {
+            id,
+            request,
+            resumed,
+        }) = self.waiting.pop_front()
+        else {
             return Ok(());
         };
         let slack = self.round_slack();
-        let reused = self
-            .prefixes
-            .as_mut()
-            .and_then(|store| store.lookup(&request.prompt, slack));
+        let reused = resumed.or_else(|| {
+            self.prefixes
+                .as_mut()
+                .and_then(|store| store.lookup(&request.prompt, slack))
+        });
         let (cache, fed) = match reused {
             Some((cache, len)) => (cache, len),
             None => (
@@ -515,16 +658,21 @@ impl<'m> Batch<'m> {
         if let Some(c) = p.checkpoint.filter(|&c| p.fed < c) {
             len = len.min(c - p.fed);
         }
+        let started = Instant::now();
         let chunk = &p.request.prompt[p.fed..p.fed + len];
         let ids = Tensor::from_slice(chunk, (1, len), self.model.device())?;
         let logits = self.model.forward(&ids, &mut p.cache, LogitsMode::Last)?;
         p.fed += len;
+        self.times.prefill_tokens += len;
         if p.checkpoint == Some(p.fed) {
             if let Some(store) = self.prefixes.as_mut() {
                 store.insert(p.request.prompt[..p.fed].to_vec(), p.cache.extract(0)?);
             }
         }
         if p.fed < p.request.prompt.len() {
+            // Not waited for: on a GPU the next chunk is submitted while this one runs (the
+            // last chunk's read-back waits for all of them).
+            self.times.prefill += started.elapsed();
             return Ok(());
         }
         let Some(p) = self.prefill.take() else {
@@ -550,16 +698,17 @@ impl<'m> Batch<'m> {
             stop_tokens,
             text: self.tokenizer.map(|_| StopText::new(stop_strings)),
             failure: None,
+            stop_token: None,
             logprobs,
             next: 0,
             kv_bytes: p.kv_bytes,
             draft_len: DraftLength::new(self.round_slack()),
         };
-        if let Some(reason) = row.take(&logits, self.tokenizer, events) {
+        let first = row.take(&logits, self.tokenizer, events);
+        self.times.prefill += started.elapsed();
+        if let Some(reason) = first {
             events.push(row.finished(reason));
-            if let Some(store) = self.prefixes.as_mut() {
-                store.insert(row.history[..row.prompt_tokens].to_vec(), p.cache);
-            }
+            self.leave(row.id, row.history[..row.prompt_tokens].to_vec(), p.cache)?;
             return Ok(());
         }
         self.running = Some(match self.running.take() {
@@ -606,17 +755,40 @@ impl<'m> Batch<'m> {
         let Some(cache) = self.running.as_mut() else {
             return Ok(());
         };
+        let started = Instant::now();
         let ids: Vec<u32> = self.rows.iter().map(|r| r.next).collect();
         let ids = Tensor::from_vec(ids, (self.rows.len(), 1), self.model.device())?;
-        let logits = self.model.forward(&ids, cache, LogitsMode::Last)?;
-        let logits: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+        let logits = self
+            .model
+            .forward(&ids, cache, LogitsMode::Last)?
+            .squeeze(1)?;
         let tokenizer = self.tokenizer;
-        for (i, (row, l)) in self.rows.iter_mut().zip(&logits).enumerate() {
-            if let Some(reason) = row.take(l, tokenizer, events) {
-                events.push(row.finished(reason));
-                done.push(i);
+        if self.rows.iter().all(Row::plain_greedy) {
+            // Only the chosen ids come back from the device, not the rows' logits (a
+            // megabyte per row at Gemma's vocabulary). Ties go to the lowest id, as the
+            // sampler's greedy choice.
+            let argmax = logits.argmax(candle_core::D::Minus1)?;
+            self.times.decode_submit += started.elapsed();
+            let tokens: Vec<u32> = argmax.to_vec1()?;
+            for (i, (row, &t)) in self.rows.iter_mut().zip(&tokens).enumerate() {
+                if let Some(reason) = row.take_chosen(t, tokenizer, events) {
+                    events.push(row.finished(reason));
+                    done.push(i);
+                }
+            }
+        } else {
+            self.times.decode_submit += started.elapsed();
+            let logits: Vec<Vec<f32>> = logits.to_vec2()?;
+            for (i, (row, l)) in self.rows.iter_mut().zip(&logits).enumerate() {
+                if let Some(reason) = row.take(l, tokenizer, events) {
+                    events.push(row.finished(reason));
+                    done.push(i);
+                }
             }
         }
+        self.times.decode += started.elapsed();
+        self.times.decode_steps += 1;
+        self.times.decode_rows += self.rows.len();
         if self.spec.is_some() {
             // Per row, as in a round: a row decoded without a draft.
             self.spec_stats.plain_steps += self.rows.len();
@@ -677,6 +849,7 @@ impl<'m> Batch<'m> {
             // Padding: read, never kept.
             ids.resize(ids.len() + width - 1 - draft.len(), row.next);
         }
+        let started = Instant::now();
         let ids = Tensor::from_vec(ids, (rows, width), self.model.device())?;
         cache.check_append(width)?;
         cache.round_begin()?;
@@ -687,6 +860,7 @@ impl<'m> Batch<'m> {
                 return Err(e.into());
             }
         };
+        self.times.decode_submit += started.elapsed();
         let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         let vocab = logits.len() / (rows * width);
         let mut keep = vec![1; rows];
@@ -718,6 +892,9 @@ impl<'m> Batch<'m> {
             }
         }
         cache.round_rollback(&keep)?;
+        self.times.decode += started.elapsed();
+        self.times.decode_steps += 1;
+        self.times.decode_rows += rows;
         Ok(())
     }
 
@@ -737,15 +914,31 @@ impl<'m> Batch<'m> {
         if gone.is_empty() {
             return Ok(());
         }
-        if let (Some(store), Some(cache)) = (self.prefixes.as_mut(), self.running.as_ref()) {
-            // Each leaving row holds the tokens it was fed: its history up to its offset.
-            let offsets = cache.offsets();
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|i| !gone.contains(i)).collect();
+        if self.prefixes.is_some() || self.kept.is_some() {
+            let offsets = self
+                .running
+                .as_ref()
+                .map_or_else(Vec::new, KvCache::offsets);
             for &i in gone {
-                let fed = offsets[i].min(self.rows[i].history.len());
-                store.insert(self.rows[i].history[..fed].to_vec(), cache.extract(i)?);
+                // A leaving row holds the tokens it was fed: its history up to its offset.
+                let fed = offsets
+                    .get(i)
+                    .map_or(0, |&o| o.min(self.rows[i].history.len()));
+                let tokens = self.rows[i].history[..fed].to_vec();
+                // The last row leaving takes the cache itself rather than a copy.
+                let cache = match self.running.take() {
+                    Some(c) if keep.is_empty() && gone.len() == 1 => c,
+                    Some(c) => {
+                        let row = c.extract(i);
+                        self.running = Some(c);
+                        row?
+                    }
+                    None => continue,
+                };
+                self.leave(self.rows[i].id, tokens, cache)?;
             }
         }
-        let keep: Vec<usize> = (0..self.rows.len()).filter(|i| !gone.contains(i)).collect();
         if keep.is_empty() {
             self.running = None;
         } else if let Some(cache) = self.running.as_mut() {
@@ -760,7 +953,54 @@ impl<'m> Batch<'m> {
     }
 }
 
+impl<'m> Batch<'m> {
+    /// A leaving request's row (holding `tokens`): into the prefix store, and kept for
+    /// [`Batch::take_row`].
+    fn leave(
+        &mut self,
+        id: RequestId,
+        tokens: Vec<u32>,
+        cache: KvCache,
+    ) -> Result<(), EngineError> {
+        match (self.prefixes.as_mut(), self.kept.as_mut()) {
+            (Some(store), Some(kept)) => {
+                store.insert(tokens.clone(), cache.extract(0)?);
+                kept.push((id, tokens, cache));
+            }
+            (Some(store), None) => store.insert(tokens, cache),
+            (None, Some(kept)) => kept.push((id, tokens, cache)),
+            (None, None) => {}
+        }
+        Ok(())
+    }
+}
+
 impl Row {
+    /// Greedy with nothing to penalize and no log-probabilities: the token is the logits'
+    /// argmax, which the device can pick.
+    fn plain_greedy(&self) -> bool {
+        let c = self.sampler.config();
+        c.temperature <= 0.0
+            && c.repetition_penalty == 1.0
+            && c.presence_penalty == 0.0
+            && c.frequency_penalty == 0.0
+            && self.logprobs.is_none()
+    }
+
+    /// [`Row::take`] for a token already chosen (by [`Row::plain_greedy`]'s argmax).
+    fn take_chosen(
+        &mut self,
+        token: u32,
+        tokenizer: Option<&Tokenizer>,
+        events: &mut Vec<Event>,
+    ) -> Option<StopReason> {
+        if self.produced >= self.max_tokens {
+            return Some(StopReason::MaxTokens);
+        }
+        self.sampler.record(token);
+        self.emit(token, &[], tokenizer, events)
+    }
+
     /// Samples the next token from `logits`: emits it and returns `None`, or returns why
     /// the request ends (a stop token is not emitted).
     fn take(
@@ -790,6 +1030,7 @@ impl Row {
             return Some(StopReason::MaxTokens);
         }
         if self.stop_tokens.contains(&token) {
+            self.stop_token = Some(token);
             return Some(StopReason::EndToken);
         }
         let released = match (self.text.as_mut(), tokenizer) {
@@ -872,6 +1113,7 @@ impl Row {
         Event::Finished {
             id: self.id,
             reason,
+            stop_token: self.stop_token.filter(|_| reason == StopReason::EndToken),
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.produced,
             cached_tokens: self.cached_tokens,

@@ -1,8 +1,12 @@
-//! The generate iterator: prefill the prompt, then sample one token per step until a stop.
+//! The generate iterator over a [`Session`]: the prompt read and tokens sampled by a
+//! one-row [`Batch`] (the step engine the server runs), resumed from the session's cache,
+//! which the session gets back, holding the whole sequence, when generation ends.
 
-use crate::sampler::{Sampler, SamplerConfig};
+use crate::batch::{Batch, BatchLimits, BatchTimes, Event, GenerationRequest, RequestId};
+use crate::sampler::SamplerConfig;
 use crate::session::Session;
 use crate::EngineError;
+use std::collections::VecDeque;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
@@ -17,21 +21,32 @@ pub enum StopReason {
 }
 
 /// Yields generated token ids; stop tokens are not yielded. After the iterator ends,
-/// [`Generation::stop_reason`] says why.
+/// [`Generation::stop_reason`] says why. While it lives the session's cache is in its
+/// batch; the session has it back (holding the prompt and every token fed) when generation
+/// ends or the iterator is dropped.
 pub struct Generation<'s, 'm> {
     session: &'s mut Session<'m>,
-    sampler: Sampler,
-    stop_tokens: Vec<u32>,
-    max_tokens: usize,
-    produced: usize,
-    logits: Option<Vec<f32>>,
-    pending: Option<u32>,
+    batch: Batch<'m>,
+    id: RequestId,
+    /// Tokens sampled and not yet yielded (the step that reads the prompt's last chunk also
+    /// decodes one token more).
+    ready: VecDeque<u32>,
+    /// Fewer tokens than asked fit the model's context: reaching them is the context's limit.
+    capped: bool,
     stop: Option<StopReason>,
     stop_token: Option<u32>,
+    /// An error ended generation.
+    failed: bool,
+    /// The batch's times already credited to the session.
+    credited: BatchTimes,
+    /// The session cache's round slack, for a cache made anew.
+    round_slack: usize,
 }
 
 impl<'s, 'm> Generation<'s, 'm> {
-    /// Feeds `prompt` into `session` (on top of whatever it holds) and prepares to sample.
+    /// Reads `prompt` into `session` (on top of whatever it holds) and prepares to sample.
+    /// Refuses an empty prompt, one that overflows the model's context and ids outside its
+    /// vocabulary, the session unchanged.
     pub fn new(
         session: &'s mut Session<'m>,
         prompt: &[u32],
@@ -39,18 +54,60 @@ impl<'s, 'm> Generation<'s, 'm> {
         max_tokens: usize,
         stop_tokens: Vec<u32>,
     ) -> Result<Self, EngineError> {
-        let logits = session.feed(prompt)?;
-        Ok(Generation {
-            session,
-            sampler: Sampler::new(sampler),
+        let model = session.model();
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() > session.context_left() {
+            return Err(EngineError::PromptTooLong {
+                prompt: session.tokens().len() + prompt.len(),
+                context: model.context_length(),
+            });
+        }
+        let held = session.tokens().len();
+        let round_slack = session.round_slack();
+        let whole: Vec<u32> = session.tokens().iter().chain(prompt).copied().collect();
+        let room = model.context_length() - whole.len();
+        let request = GenerationRequest {
+            prompt: whole,
+            max_tokens: max_tokens.min(room),
+            sampler,
             stop_tokens,
-            max_tokens,
-            produced: 0,
-            logits: Some(logits),
-            pending: None,
+            stop_strings: Vec::new(),
+            logprobs: None,
+        };
+        let limits = BatchLimits {
+            max_batch: 1,
+            kv_budget: None,
+            max_queue: 1,
+        };
+        let mut batch =
+            Batch::new(model, session.scheme(), session.prefill_chunk(), limits)?.keeping_rows();
+        let (cache, tokens) = session.lend()?;
+        let id = match batch.add_resumed(request, cache, held) {
+            Ok(id) => id,
+            Err(refused) => {
+                session.give_back(refused.cache, tokens);
+                return Err(refused.error);
+            }
+        };
+        let mut generation = Generation {
+            session,
+            batch,
+            id,
+            ready: VecDeque::new(),
+            capped: room < max_tokens,
             stop: None,
             stop_token: None,
-        })
+            failed: false,
+            credited: BatchTimes::default(),
+            round_slack,
+        };
+        // The prompt is read here, as a session's feed reads it: its errors come from `new`.
+        while generation.batch.waiting() > 0 && generation.stop.is_none() {
+            generation.advance()?;
+        }
+        Ok(generation)
     }
 
     pub fn stop_reason(&self) -> Option<StopReason> {
@@ -62,36 +119,73 @@ impl<'s, 'm> Generation<'s, 'm> {
         self.stop_token
     }
 
+    /// The session (its cache is lent to the generation until it ends).
     pub fn session(&self) -> &Session<'m> {
         self.session
     }
 
-    fn step(&mut self) -> Result<Option<u32>, EngineError> {
-        if self.stop.is_some() {
-            return Ok(None);
-        }
-        if self.produced >= self.max_tokens {
-            self.stop = Some(StopReason::MaxTokens);
-            return Ok(None);
-        }
-        // The previous token is fed lazily, so no forward runs after the last one.
-        if let Some(token) = self.pending.take() {
-            if self.session.context_left() == 0 {
-                self.stop = Some(StopReason::ContextLimit);
-                return Ok(None);
+    /// One batch step; on an error or the request's end, the session gets its cache back.
+    fn advance(&mut self) -> Result<(), EngineError> {
+        let events = match self.batch.step() {
+            Ok(events) => events,
+            Err(e) => {
+                self.failed = true;
+                self.give_back();
+                return Err(e);
             }
-            self.logits = Some(self.session.feed(&[token])?);
+        };
+        for event in events {
+            match event {
+                Event::Token { token, .. } => self.ready.push_back(token),
+                Event::Finished {
+                    reason, stop_token, ..
+                } => {
+                    self.stop = Some(match reason {
+                        StopReason::MaxTokens if self.capped => StopReason::ContextLimit,
+                        r => r,
+                    });
+                    self.stop_token = stop_token;
+                }
+                Event::Failed { message, .. } => {
+                    self.failed = true;
+                    self.give_back();
+                    return Err(EngineError::Invalid(message));
+                }
+            }
         }
-        let logits = self.logits.take().expect("logits after feed");
-        let token = self.sampler.sample(&logits, self.session.tokens());
-        if self.stop_tokens.contains(&token) {
-            self.stop = Some(StopReason::EndToken);
-            self.stop_token = Some(token);
-            return Ok(None);
+        self.credit_times();
+        if self.stop.is_some() {
+            self.give_back();
         }
-        self.produced += 1;
-        self.pending = Some(token);
-        Ok(Some(token))
+        Ok(())
+    }
+
+    /// Adds the batch's prefill and decode time since the last call to the session's.
+    fn credit_times(&mut self) {
+        let now = *self.batch.times();
+        let s = &mut *self.session;
+        s.prefill_time += now.prefill - self.credited.prefill;
+        s.prefill_tokens += now.prefill_tokens - self.credited.prefill_tokens;
+        s.decode_time += now.decode - self.credited.decode;
+        s.decode_tokens += now.decode_rows - self.credited.decode_rows;
+        self.credited = now;
+    }
+
+    /// Returns the cache to the session, holding every token fed; a cache the batch
+    /// cannot hand back (an error inside a step) leaves the session starting over.
+    fn give_back(&mut self) {
+        match self.batch.take_row(self.id) {
+            Ok(Some((tokens, cache))) => self.session.give_back(cache, tokens),
+            _ => self.session.start_over(self.round_slack),
+        }
+    }
+}
+
+impl Drop for Generation<'_, '_> {
+    fn drop(&mut self) {
+        if self.stop.is_none() && !self.failed {
+            self.give_back();
+        }
     }
 }
 
@@ -99,12 +193,15 @@ impl Iterator for Generation<'_, '_> {
     type Item = Result<u32, EngineError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        match self.step() {
-            Ok(Some(t)) => Some(Ok(t)),
-            Ok(None) => None,
-            Err(e) => {
-                self.stop = Some(StopReason::MaxTokens);
-                Some(Err(e))
+        loop {
+            if let Some(token) = self.ready.pop_front() {
+                return Some(Ok(token));
+            }
+            if self.stop.is_some() || self.failed {
+                return None;
+            }
+            if let Err(e) = self.advance() {
+                return Some(Err(e));
             }
         }
     }

@@ -1,11 +1,12 @@
 //! tessera-engine: drives models and caches.
 //!
-//! A [`Session`] owns one KV cache and feeds tokens through a model (prefill in chunks,
-//! decode one token at a time); [`Generation`] samples from it with a [`Sampler`] until a
-//! stop; a [`Batch`] is the step-level engine — requests added, prefilled in bounded chunks
-//! between decode steps, merged into the running batch and filtered out when they finish
-//! (continuous batching, with admission limits) — and [`generate_batch_greedy`] runs several
-//! prompts through one;
+//! A [`Batch`] is the step-level engine every generation runs on — requests added,
+//! prefilled in bounded chunks between decode steps, merged into the running batch and
+//! filtered out when they finish (continuous batching, with admission limits);
+//! [`generate_batch_greedy`] runs several prompts through one. A [`Session`] owns one KV
+//! cache and the tokens it holds (feeding tokens itself where every position's logits are
+//! wanted: evaluation, speculative rounds); [`Generation`] samples from a session through a
+//! one-row batch resumed from its cache, which the session gets back when it ends;
 //! [`eval`] measures perplexity and KL divergence per KV scheme, [`kv_auto`] chooses
 //! per-layer key and value widths from measured sensitivity; [`store`] fetches and
 //! verifies the default model.
@@ -29,8 +30,8 @@ pub mod stop;
 pub mod store;
 
 pub use batch::{
-    generate_batch_greedy, Batch, BatchLimits, BatchSpec, Event, GenerationRequest, RequestId,
-    TokenLogprobs, MAX_DRAFT, MAX_TOP_LOGPROBS, PREFIX_CHECKPOINT,
+    generate_batch_greedy, Batch, BatchLimits, BatchSpec, BatchTimes, Event, GenerationRequest,
+    Refused, RequestId, TokenLogprobs, MAX_DRAFT, MAX_TOP_LOGPROBS, PREFIX_CHECKPOINT,
 };
 pub use error::EngineError;
 pub use generate::{Generation, StopReason, TextStream};

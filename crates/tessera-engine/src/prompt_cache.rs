@@ -715,7 +715,7 @@ impl PromptCache {
         prefill_chunk: usize,
     ) -> Result<Session<'_>, EngineError> {
         let tokens = self.one_row()?;
-        Session::with_cache(model, self.cache, tokens, prefill_chunk)
+        Session::with_cache(model, &self.scheme, self.cache, tokens, prefill_chunk)
     }
 
     /// A session over this cache (one row) ready to read the rest of `prompt`: the cache
@@ -754,7 +754,7 @@ impl PromptCache {
         }
         let mut tokens = held;
         tokens.truncate(keep);
-        let session = Session::with_cache(model, cache, tokens, prefill_chunk)?;
+        let session = Session::with_cache(model, &self.scheme, cache, tokens, prefill_chunk)?;
         Ok((
             session,
             Reuse {

@@ -4,13 +4,15 @@
 use crate::EngineError;
 use candle_core::Tensor;
 use std::time::{Duration, Instant};
-use tessera_kv::{KvCache, KvScheme};
+use tessera_kv::{Codec, KvCache, KvScheme, PlainDType};
 use tessera_models::{LogitsMode, Model};
 
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 pub struct Session<'m> {
     model: &'m Model,
+    /// The scheme the cache was made with (new caches of a [`crate::Generation`]'s batch).
+    scheme: KvScheme,
     cache: KvCache,
     tokens: Vec<u32>,
     prefill_chunk: usize,
@@ -34,6 +36,7 @@ impl<'m> Session<'m> {
         }
         Ok(Session {
             model,
+            scheme: scheme.clone(),
             cache: KvCache::new(&model.layer_specs(), scheme, vec![0])?.with_isa(model.isa()),
             tokens: Vec::new(),
             prefill_chunk,
@@ -44,10 +47,11 @@ impl<'m> Session<'m> {
         })
     }
 
-    /// A session continuing from `cache` (one row), which holds exactly `tokens` (a prompt
-    /// cache read from disk).
+    /// A session continuing from `cache` (one row, made with `scheme`), which holds exactly
+    /// `tokens` (a prompt cache read from disk).
     pub fn with_cache(
         model: &'m Model,
+        scheme: &KvScheme,
         cache: KvCache,
         tokens: Vec<u32>,
         prefill_chunk: usize,
@@ -66,6 +70,7 @@ impl<'m> Session<'m> {
         }
         Ok(Session {
             model,
+            scheme: scheme.clone(),
             cache,
             tokens,
             prefill_chunk,
@@ -92,6 +97,48 @@ impl<'m> Session<'m> {
 
     pub(crate) fn cache_mut(&mut self) -> &mut KvCache {
         &mut self.cache
+    }
+
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    pub fn scheme(&self) -> &KvScheme {
+        &self.scheme
+    }
+
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
+    /// Lends the cache and the tokens it holds out (to a [`crate::Generation`]'s batch),
+    /// leaving an empty cache of no layers until [`Session::give_back`].
+    pub(crate) fn lend(&mut self) -> Result<(KvCache, Vec<u32>), EngineError> {
+        let none = KvCache::new(
+            &[],
+            &KvScheme::uniform(Codec::Plain(PlainDType::Bf16)),
+            vec![0],
+        )?;
+        Ok((
+            std::mem::replace(&mut self.cache, none),
+            std::mem::take(&mut self.tokens),
+        ))
+    }
+
+    /// Takes back a lent cache, now holding `tokens`.
+    pub(crate) fn give_back(&mut self, cache: KvCache, tokens: Vec<u32>) {
+        self.cache = cache;
+        self.tokens = tokens;
+    }
+
+    /// An empty cache of the session's scheme (with round slack `slack`) in place of
+    /// whatever it held (a lent cache that could not come back). Keeps the old one when a
+    /// new one cannot be made.
+    pub(crate) fn start_over(&mut self, slack: usize) {
+        if let Ok(cache) = KvCache::new(&self.model.layer_specs(), &self.scheme, vec![0]) {
+            self.cache = cache.with_isa(self.model.isa()).with_round_slack(slack);
+            self.tokens.clear();
+        }
     }
 
     /// Forgets the last `n` tokens fed (their positions already dropped from the cache).

@@ -8,7 +8,7 @@
 
 mod common;
 
-use tessera_engine::{generate_batch_greedy, Generation, SamplerConfig, Session};
+use tessera_engine::{generate_batch_greedy, SamplerConfig, Session};
 use tessera_kv::KvScheme;
 use tessera_models::{LogitsMode, Model};
 
@@ -88,16 +88,7 @@ fn left_padded_batch_equals_one_at_a_time() {
     let batched = generate_batch_greedy(&model, &prompts, steps, &scheme, 256, &[]).unwrap();
     for (prompt, got) in prompts.iter().zip(&batched) {
         let mut session = Session::new(&model, &scheme, 256).unwrap();
-        let alone: Vec<u32> = Generation::new(
-            &mut session,
-            prompt,
-            SamplerConfig::default(),
-            steps,
-            vec![],
-        )
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
+        let alone = common::decode_alone(&mut session, prompt, SamplerConfig::default(), steps);
         assert_eq!(got, &alone, "prompt of {} tokens", prompt.len());
     }
 }

@@ -8,8 +8,8 @@ mod common;
 
 use std::collections::HashMap;
 use tessera_engine::{
-    Batch, BatchLimits, EngineError, Event, Generation, GenerationRequest, RequestId,
-    SamplerConfig, Session, StopReason, PREFIX_CHECKPOINT,
+    Batch, BatchLimits, EngineError, Event, GenerationRequest, RequestId, SamplerConfig, Session,
+    StopReason, PREFIX_CHECKPOINT,
 };
 use tessera_kv::KvScheme;
 use tessera_models::Model;
@@ -44,10 +44,7 @@ fn alone(
     sampler: SamplerConfig,
 ) -> Vec<u32> {
     let mut session = Session::new(model, scheme, CHUNK).unwrap();
-    Generation::new(&mut session, prompt, sampler, max_tokens, vec![])
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap()
+    common::decode_alone(&mut session, prompt, sampler, max_tokens)
 }
 
 /// Runs `requests` (added at the step of their index in `join_at`) through one batch;
@@ -157,6 +154,7 @@ fn requests_joining_and_leaving_equal_each_run_alone() {
                         _ => unreachable!("checked by the equality"),
                     },
                     reason: StopReason::MaxTokens,
+                    stop_token: None,
                     prompt_tokens: r.prompt.len(),
                     completion_tokens: r.max_tokens,
                     cached_tokens: 0,
@@ -388,16 +386,7 @@ fn prefix_reuse_reads_only_the_new_suffix() {
     for &t in &answer[..answer.len() - 1] {
         session.feed(&[t]).unwrap();
     }
-    let want: Vec<u32> = Generation::new(
-        &mut session,
-        &follow_up[fed..],
-        SamplerConfig::default(),
-        5,
-        vec![],
-    )
-    .unwrap()
-    .collect::<Result<_, _>>()
-    .unwrap();
+    let want = common::decode_alone(&mut session, &follow_up[fed..], SamplerConfig::default(), 5);
     assert_eq!(got, want, "the follow-up");
     // Sharing only the long prompt's first half: its wrapped rings cannot be cut back there.
     let half: Vec<u32> = long[..long.len() / 2]
@@ -428,16 +417,7 @@ fn prefix_reuse_reads_only_the_new_suffix() {
     assert_eq!(cached(&done), keep, "the checkpoint's tokens");
     let mut session = Session::new(&model, &scheme, CHUNK).unwrap();
     session.feed(&long[..keep]).unwrap();
-    let want: Vec<u32> = Generation::new(
-        &mut session,
-        &other[keep..],
-        SamplerConfig::default(),
-        5,
-        vec![],
-    )
-    .unwrap()
-    .collect::<Result<_, _>>()
-    .unwrap();
+    let want = common::decode_alone(&mut session, &other[keep..], SamplerConfig::default(), 5);
     assert_eq!(got, want, "another question after the same document");
 }
 

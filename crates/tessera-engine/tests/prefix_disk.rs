@@ -13,9 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 use tessera_engine::prefix::{file_name, PrefixCache};
 use tessera_engine::prompt_cache;
-use tessera_engine::{
-    Batch, BatchLimits, Event, Generation, GenerationRequest, SamplerConfig, Session,
-};
+use tessera_engine::{Batch, BatchLimits, Event, GenerationRequest, SamplerConfig, Session};
 use tessera_kv::{KvCache, KvScheme};
 use tessera_models::{Model, Tokenizer};
 
@@ -65,16 +63,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
 
 fn alone(model: &Model, scheme: &KvScheme, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let mut session = Session::new(model, scheme, CHUNK).unwrap();
-    Generation::new(
-        &mut session,
-        prompt,
-        SamplerConfig::default(),
-        max_tokens,
-        vec![],
-    )
-    .unwrap()
-    .collect::<Result<_, _>>()
-    .unwrap()
+    common::decode_alone(&mut session, prompt, SamplerConfig::default(), max_tokens)
 }
 
 /// Runs `request` alone through `batch`: its tokens and its `cached_tokens`.

@@ -134,3 +134,25 @@ pub fn f32_gguf_copy(src: &std::path::Path, tag: &str) -> TempFile {
         .all(|t| t.ggml_dtype == GgmlDType::F32));
     tmp
 }
+
+/// `prompt` read into `session` and `max_tokens` sampled one token per forward with
+/// [`tessera_engine::Session::feed`] and the sampler alone: the reference the step engine's
+/// outputs ([`tessera_engine::Batch`], [`tessera_engine::Generation`]) are held to.
+pub fn decode_alone(
+    session: &mut tessera_engine::Session,
+    prompt: &[u32],
+    sampler: tessera_engine::SamplerConfig,
+    max_tokens: usize,
+) -> Vec<u32> {
+    let mut sampler = tessera_engine::Sampler::new(sampler);
+    let mut logits = session.feed(prompt).unwrap();
+    let mut out = Vec::new();
+    while out.len() < max_tokens {
+        let token = sampler.sample(&logits, session.tokens());
+        out.push(token);
+        if out.len() < max_tokens {
+            logits = session.feed(&[token]).unwrap();
+        }
+    }
+    out
+}
