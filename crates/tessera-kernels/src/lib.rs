@@ -92,6 +92,7 @@ pub fn plan_splits(
 pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod tally;
 #[cfg(feature = "cuda")]
 pub mod weights;
 

@@ -25,31 +25,13 @@
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::ops::Range;
+use tessera_kernels::tally::Tally;
 use tessera_kv::planes::device::host_planes;
 use tessera_kv::planes::{DeviceBackend, PlaneGeometry, Planes, PlanesState};
 use tessera_kv::{
     AttentionCache, CacheState, Codec, KvCache, KvError, KvScheme, LayerSpec, PlainDType,
     Retention, TurboPrep,
 };
-
-/// Every comparison's outcome.
-#[derive(Default)]
-struct Tally {
-    passed: usize,
-    failed: usize,
-    /// `--plant-failure`: perturb the next compared cache read (then cleared).
-    plant: bool,
-}
-
-impl Tally {
-    fn record(&mut self, ok: bool) {
-        if ok {
-            self.passed += 1;
-        } else {
-            self.failed += 1;
-        }
-    }
-}
 
 fn random(shape: &[usize], seed: u64, device: &Device) -> Result<Tensor> {
     let n: usize = shape.iter().product();
@@ -240,8 +222,7 @@ fn planes_parity(gpu: &Device, tally: &mut Tally) -> Result<()> {
     for (case, (codec, d)) in cases.into_iter().enumerate() {
         let name = format!("planes {codec} d={d}");
         if let Err(e) = planes_case(&backend, gpu, tally, codec, d, case as u64, &name) {
-            println!("{name}: stopped with an error: {e:#}: FAIL");
-            tally.record(false);
+            tally.stopped(&name, format!("{e:#}"));
         }
     }
     Ok(())
@@ -449,7 +430,7 @@ fn cache_parity(gpu: &Device, tally: &mut Tally) -> Result<()> {
                         .layer_mut(l)
                         .append_window(&k.to_device(gpu)?, &v.to_device(gpu)?)?;
                     let mut got = read.attend(&q.to_device(gpu)?, scale)?;
-                    if std::mem::take(&mut tally.plant) {
+                    if tally.take_plant() {
                         // One element off by 1 (the outputs are averages of values in
                         // [-8, 8]): every tolerance here must catch it.
                         let mut v: Vec<f32> = got
@@ -629,7 +610,7 @@ impl RowRun<'_> {
                         .attend(&qg, scale)?,
                 )
             };
-            if std::mem::take(&mut tally.plant) {
+            if tally.take_plant() {
                 got = planted(&got, &format!("row ops {what} layer {l}"))?;
             }
             let err = rel_err(&got.to_device(&Device::Cpu)?, &want)
@@ -886,16 +867,17 @@ fn row_ops_sequence(
 }
 
 fn main() {
-    let mut tally = Tally::default();
+    let mut plant = false;
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
-            "--plant-failure" => tally.plant = true,
+            "--plant-failure" => plant = true,
             _ => {
                 eprintln!("kv-cache-parity: unknown argument {arg:?} (usage: kv-cache-parity [--plant-failure])");
                 std::process::exit(2);
             }
         }
     }
+    let mut tally = Tally::new(plant);
     tessera_kernels::backend::install();
     let gpu = match Device::new_cuda(0) {
         Ok(g) => g,
@@ -914,19 +896,10 @@ fn main() {
     for (name, part) in parts {
         // A part that stops on an error is one failed check; the other parts still run.
         if let Err(e) = part(&gpu, &mut tally) {
-            println!("{name} parity stopped with an error: {e:#}: FAIL");
-            tally.record(false);
+            tally.stopped(&format!("{name} parity"), format!("{e:#}"));
         }
     }
-    if tally.plant {
-        println!("--plant-failure: no cache read was compared to perturb: FAIL");
-        tally.record(false);
-    }
-    println!(
-        "kv-cache-parity: {} passed, {} failed",
-        tally.passed, tally.failed
-    );
-    if tally.failed > 0 || tally.passed == 0 {
+    if !tally.finish("kv-cache-parity") {
         std::process::exit(1);
     }
 }

@@ -25,35 +25,22 @@ use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaSlice};
 use candle_core::{Device, Tensor};
 use half::bf16;
 use tessera_kernels::cuda::{DecodeRead, GpuCodec, GpuPlanes, Variant};
+use tessera_kernels::tally::Tally;
 use tessera_kv::planes::{AffinePlanes, Planes};
 
-/// Every parity comparison's outcome.
-#[derive(Default)]
-struct Tally {
-    passed: usize,
-    failed: usize,
-    /// `--plant-failure`: perturb the next compared output (then cleared).
-    plant: bool,
+/// Records `rel <= bound` (false for NaN), printing a miss.
+fn check(tally: &mut Tally, name: &str, rel: f64, bound: f64) {
+    if !tally.within(rel, bound) {
+        println!("{name}: relative error {rel:.3e} over {bound:e}: FAIL");
+    }
 }
 
-impl Tally {
-    /// Records `rel <= bound` (false for NaN), printing a miss.
-    fn check(&mut self, name: &str, rel: f64, bound: f64) {
-        if rel <= bound {
-            self.passed += 1;
-        } else {
-            println!("{name}: relative error {rel:.3e} over {bound:e}: FAIL");
-            self.failed += 1;
-        }
-    }
-
-    /// `--plant-failure`: one element of `out` off by 1 (outputs are averages of values in
-    /// [-6, 6]), once.
-    fn maybe_plant(&mut self, out: &mut [f32], name: &str) {
-        if std::mem::take(&mut self.plant) {
-            out[0] += 1.0;
-            println!("planted failure: first output of {name} off by 1");
-        }
+/// `--plant-failure`: one element of `out` off by 1 (outputs are averages of values in
+/// [-6, 6]), once.
+fn maybe_plant(tally: &mut Tally, out: &mut [f32], name: &str) {
+    if tally.take_plant() {
+        out[0] += 1.0;
+        println!("planted failure: first output of {name} off by 1");
     }
 }
 
@@ -254,7 +241,7 @@ fn parity(gpu: &DecodeRead, tally: &mut Tally) -> Result<()> {
                 )?;
                 let name = format!("{} {variant:?} ({qh},{kvh},{d})", codec.name());
                 let mut got = s.clone_dtoh(&out)?;
-                tally.maybe_plant(&mut got, &name);
+                maybe_plant(tally, &mut got, &name);
                 let rel = rel_err(&got, &want, &name)?;
                 // f32 arithmetic lands far under 1e-3; bf16 operands (the tensor cores take
                 // q and the softmax weights in bf16, as SDPA does) between 1e-3 and 1e-2.
@@ -264,7 +251,7 @@ fn parity(gpu: &DecodeRead, tally: &mut Tally) -> Result<()> {
                     "parity {name} b{b} n{n} splits {}: rel err {rel:.2e}",
                     plan.splits
                 );
-                tally.check(&name, rel, bound);
+                check(tally, &name, rel, bound);
             }
         }
     }
@@ -329,11 +316,11 @@ fn chunk_parity(gpu: &DecodeRead, tally: &mut Tally) -> Result<()> {
                     codec.name()
                 );
                 let mut got = s.clone_dtoh(&out)?;
-                tally.maybe_plant(&mut got, &name);
+                maybe_plant(tally, &mut got, &name);
                 let rel = rel_err(&got, &want, &name)?;
                 worst = worst.max(rel);
                 println!("parity {name}: rel err {rel:.2e}");
-                tally.check(&name, rel, bound);
+                check(tally, &name, rel, bound);
             }
         }
     }
@@ -496,15 +483,16 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
 
 fn main() {
     // Words name the parts to run; `+TEXT` arguments filter the timed reads by label.
-    let mut tally = Tally::default();
+    let mut plant = false;
     let all: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
-            let plant = a == "--plant-failure";
-            tally.plant |= plant;
-            !plant
+            let this = a == "--plant-failure";
+            plant |= this;
+            !this
         })
         .collect();
+    let mut tally = Tally::new(plant);
     let (filters, args): (Vec<String>, Vec<String>) =
         all.into_iter().partition(|a| a.starts_with('+'));
     let filters: Vec<String> = filters.iter().map(|f| f[1..].to_string()).collect();
@@ -518,14 +506,14 @@ fn main() {
     }
     let want = |w: &str| args.is_empty() || args.iter().any(|a| a == w);
     let checks = want("parity") || want("chunk");
-    let summary = |tally: &Tally| {
-        if checks {
-            println!(
-                "kv-read-bench: {} passed, {} failed",
-                tally.passed, tally.failed
-            );
-        }
-        if tally.failed > 0 || (checks && tally.passed == 0) {
+    // Timing alone has no checks: it passes unless a part stopped.
+    let summary = |tally: &mut Tally| {
+        let passed = if checks {
+            tally.finish("kv-read-bench")
+        } else {
+            tally.failed == 0
+        };
+        if !passed {
             std::process::exit(1);
         }
     };
@@ -533,16 +521,15 @@ fn main() {
         Ok(g) => g,
         Err(e) => {
             eprintln!("kv-read-bench: no CUDA device: {e:#}");
-            tally.failed += 1;
-            summary(&tally);
+            tally.record(false);
+            summary(&mut tally);
             unreachable!();
         }
     };
     // A part that stops on an error is one failed check; the other parts still run.
     let part = |name: &str, r: Result<()>, tally: &mut Tally| {
         if let Err(e) = r {
-            println!("{name} stopped with an error: {e:#}: FAIL");
-            tally.failed += 1;
+            tally.stopped(name, format!("{e:#}"));
         }
     };
     if want("parity") {
@@ -565,9 +552,5 @@ fn main() {
         let r = time_chunks(&gpu);
         part("chunk timing", r, &mut tally);
     }
-    if std::mem::take(&mut tally.plant) && checks {
-        println!("--plant-failure: no output was compared to perturb: FAIL");
-        tally.failed += 1;
-    }
-    summary(&tally);
+    summary(&mut tally);
 }

@@ -17,6 +17,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use std::borrow::Cow;
 use std::time::Instant;
+use tessera_kernels::tally::Tally;
 use tessera_kernels::weights::CudaWeights;
 use tessera_kernels::weights::Q4Matrix;
 use tessera_models::device_weights::{DeviceMatrix, WeightBackend};
@@ -94,44 +95,38 @@ fn qtensor(bytes: &[u8], n: usize, k: usize, device: &Device) -> Result<QTensor>
     Ok(QTensor::new(storage, (n, k))?)
 }
 
-#[derive(Default)]
-struct Tally {
-    passed: usize,
-    failed: usize,
-    plant: bool,
-}
-
-impl Tally {
-    fn check(&mut self, label: &str, mut got: Vec<f32>, want: &[f64], candle: &[f32], tol: f64) {
-        if self.plant {
-            got[0] += 1.0;
-            self.plant = false;
-        }
-        let rel = |v: &[f32]| {
-            let (mut num, mut den) = (0.0f64, 0.0f64);
-            for (a, b) in v.iter().zip(want) {
-                let a = *a as f64;
-                num += if a.is_nan() {
-                    f64::INFINITY
-                } else {
-                    (a - b) * (a - b)
-                };
-                den += b * b;
-            }
-            (num / den).sqrt()
-        };
-        let (ours, theirs) = (rel(&got), rel(candle));
-        let ok = ours < tol && got.len() == want.len();
-        println!(
-            "{} {label}: ours {ours:.2e} (tolerance {tol:.0e}), candle {theirs:.2e}",
-            if ok { "PASS" } else { "FAIL" }
-        );
-        if ok {
-            self.passed += 1;
-        } else {
-            self.failed += 1;
-        }
+/// Ours and candle's outputs against the f64 reference `want`: ours within `tol` passes.
+fn check(
+    tally: &mut Tally,
+    label: &str,
+    mut got: Vec<f32>,
+    want: &[f64],
+    candle: &[f32],
+    tol: f64,
+) {
+    if tally.take_plant() {
+        got[0] += 1.0;
     }
+    let rel = |v: &[f32]| {
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for (a, b) in v.iter().zip(want) {
+            let a = *a as f64;
+            num += if a.is_nan() {
+                f64::INFINITY
+            } else {
+                (a - b) * (a - b)
+            };
+            den += b * b;
+        }
+        (num / den).sqrt()
+    };
+    let (ours, theirs) = (rel(&got), rel(candle));
+    let ok = ours < tol && got.len() == want.len();
+    println!(
+        "{} {label}: ours {ours:.2e} (tolerance {tol:.0e}), candle {theirs:.2e}",
+        if ok { "PASS" } else { "FAIL" }
+    );
+    tally.record(ok);
 }
 
 fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<()> {
@@ -150,7 +145,8 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
             let theirs = candle.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
             let matvec = ours.forward_matvec(&xt)?;
             let matvec = matvec.flatten_all()?.to_vec1::<f32>()?;
-            tally.check(
+            check(
+                tally,
                 &format!("{n}×{k} m={m} matvec"),
                 matvec,
                 &want,
@@ -158,7 +154,8 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
                 1e-5,
             );
             let gemm = ours.forward_gemm(&xt)?.flatten_all()?.to_vec1::<f32>()?;
-            tally.check(
+            check(
+                tally,
                 &format!("{n}×{k} m={m} bf16 GEMM"),
                 gemm,
                 &want,
@@ -180,7 +177,14 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
         let xt = Tensor::from_vec(x, (m, k), device)?;
         let got = policy.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
         let same = got.clone();
-        tally.check(&format!("model path {n}×{k} m={m}"), got, &want, &same, tol);
+        check(
+            tally,
+            &format!("model path {n}×{k} m={m}"),
+            got,
+            &want,
+            &same,
+            tol,
+        );
     }
     // Stacking: three parts as one matrix equal the parts side by side.
     let parts: Vec<(usize, Vec<u8>)> = [40, 24, 24]
@@ -208,7 +212,14 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
     let xt = Tensor::from_vec(x, (1, 1024), device)?;
     let got = stacked.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
     let fake_candle = got.clone();
-    tally.check("stacked 40+24+24 × 1024", got, &want, &fake_candle, 1e-5);
+    check(
+        tally,
+        "stacked 40+24+24 × 1024",
+        got,
+        &want,
+        &fake_candle,
+        1e-5,
+    );
     // Rows of a width the tiles do not divide stay with candle.
     let odd = qtensor(&q4_0_bytes(8, 1536, &mut rng), 8, 1536, device)?;
     let refused = backend.matrix(&odd)?.is_none();
@@ -216,11 +227,7 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
         "{} a 8×1536 Q4_0 matrix left to candle",
         if refused { "PASS" } else { "FAIL" }
     );
-    if refused {
-        tally.passed += 1;
-    } else {
-        tally.failed += 1;
-    }
+    tally.record(refused);
     Ok(())
 }
 
@@ -301,8 +308,7 @@ fn run(args: &[String], tally: &mut Tally) -> Result<()> {
     let backend = CudaWeights::default();
     if want("parity") {
         if let Err(e) = parity(&device, &backend, tally) {
-            println!("FAIL parity stopped: {e:#}");
-            tally.failed += 1;
+            tally.stopped("parity", format!("{e:#}"));
         }
     }
     if want("time") {
@@ -313,17 +319,16 @@ fn run(args: &[String], tally: &mut Tally) -> Result<()> {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut tally = Tally {
-        plant: args.iter().any(|a| a == "--plant-failure"),
-        ..Default::default()
-    };
+    let mut tally = Tally::new(args.iter().any(|a| a == "--plant-failure"));
     if let Err(e) = run(&args, &mut tally) {
-        println!("FAIL: {e:#}");
-        tally.failed += 1;
+        tally.stopped("weights-bench", format!("{e:#}"));
     }
-    println!(
-        "weights-bench: {} passed, {} failed",
-        tally.passed, tally.failed
-    );
-    std::process::exit(i32::from(tally.failed > 0));
+    // A timing-only run (`time`) has no checks: it passes unless something stopped.
+    let timing_only = !args.iter().any(|a| a == "parity") && args.iter().any(|a| a == "time");
+    let passed = if timing_only {
+        tally.failed == 0
+    } else {
+        tally.finish("weights-bench")
+    };
+    std::process::exit(i32::from(!passed));
 }
