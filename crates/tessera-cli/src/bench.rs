@@ -82,6 +82,12 @@ fn prefill_rate(model: &Model, scheme: &KvScheme, rows: usize, prompt: &[u32]) -
     Ok((rows * prompt.len()) as f64 / t.elapsed().as_secs_f64())
 }
 
+/// Tokens each decode row may produce: rows join one step apart and decode from then on,
+/// through the warm-up step and the `steps` timed, with room to spare.
+fn decode_tokens(rows: usize, steps: usize) -> usize {
+    rows + steps + 4
+}
+
 /// Decode of `rows` requests at `depth` tokens of context: the context is read once (not
 /// timed) and every request resumes from a copy of it; once all rows run, one untimed
 /// step, then `steps` timed. Returns the batch's times over the timed steps, the running
@@ -99,9 +105,7 @@ fn decode_times(
         session.feed(&context[..held])?;
     }
     let mut batch = engine(model, scheme, rows)?;
-    // Rows join one step apart and decode from then on: enough tokens for every row to
-    // run through the warm-up and the timed steps.
-    let max_tokens = rows + steps + 4;
+    let max_tokens = decode_tokens(rows, steps);
     for _ in 0..rows {
         let cache = session.cache().extract(0)?;
         batch
@@ -149,9 +153,12 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
     }
     let (model, tok) = load(margs)?;
     crate::commands::notice_scheme(&model, &scheme);
-    if depth + gen_tokens > model.context_length() || prompt_tokens > model.context_length() {
+    // Decode rows join one step apart and take a warm-up step: `decode_tokens` more each.
+    let decoded = decode_tokens(batch, gen_tokens);
+    if depth.max(1) + decoded > model.context_length() || prompt_tokens > model.context_length() {
         bail!(
-            "--depth + --gen-tokens and --prompt-tokens must fit the model's context of {}",
+            "--depth + --gen-tokens (+ --batch + 4 joining and warm-up steps) and --prompt-tokens \
+             must fit the model's context of {}",
             model.context_length()
         );
     }

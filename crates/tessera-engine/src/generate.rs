@@ -28,8 +28,7 @@ pub struct Generation<'s, 'm> {
     session: &'s mut Session<'m>,
     batch: Batch<'m>,
     id: RequestId,
-    /// Tokens sampled and not yet yielded (the step that reads the prompt's last chunk also
-    /// decodes one token more).
+    /// Tokens a step sampled and the iterator has not yielded yet.
     ready: VecDeque<u32>,
     /// Fewer tokens than asked fit the model's context: reaching them is the context's limit.
     capped: bool,
