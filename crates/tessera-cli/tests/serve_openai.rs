@@ -134,6 +134,12 @@ fn metrics_prompt_forms_n_and_logprobs_over_raw_http() {
         "tessera_prefix_cache_tokens_total",
         "tessera_time_to_first_token_seconds",
         "tessera_inter_token_latency_seconds",
+        "tessera_prefill_seconds_total",
+        "tessera_prefill_tokens_total",
+        "tessera_decode_seconds_total",
+        "tessera_decode_submit_seconds_total",
+        "tessera_decode_steps_total",
+        "tessera_decode_row_steps_total",
     ] {
         assert!(r.text().contains(&format!("# HELP {name} ")), "{name}");
         assert!(r.text().contains(&format!("# TYPE {name} ")), "{name}");
@@ -164,6 +170,25 @@ fn metrics_prompt_forms_n_and_logprobs_over_raw_http() {
         usage["completion_tokens"].as_f64()
     );
     assert_eq!(get("tessera_time_to_first_token_seconds_count"), Some(1.0));
+    // The engine's own counts: the prompt read (less what a stored prefix gave), and one
+    // decode step per token after the first (one more where a stop token ended it).
+    let cached = usage["prompt_tokens_details"]["cached_tokens"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(
+        get("tessera_prefill_tokens_total"),
+        Some(usage["prompt_tokens"].as_f64().unwrap() - cached)
+    );
+    let steps = usage["completion_tokens"].as_f64().unwrap() - 1.0
+        + if finish == "stop" { 1.0 } else { 0.0 };
+    assert_eq!(get("tessera_decode_steps_total"), Some(steps));
+    assert_eq!(get("tessera_decode_row_steps_total"), Some(steps));
+    let seconds = |name: &str| get(name).unwrap_or(-1.0);
+    assert!(seconds("tessera_prefill_seconds_total") > 0.0);
+    assert!(
+        seconds("tessera_decode_seconds_total") >= seconds("tessera_decode_submit_seconds_total")
+            && seconds("tessera_decode_submit_seconds_total") > 0.0
+    );
     assert_eq!(
         get("tessera_inter_token_latency_seconds_count"),
         Some(usage["completion_tokens"].as_f64().unwrap() - 1.0)

@@ -192,7 +192,7 @@ struct Waiting {
 
 /// Where a [`Batch`]'s time went: its forward passes as the host saw them (each including
 /// the wait for its logits or tokens, and sampling).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BatchTimes {
     /// Prompt chunks read, and the prompt tokens they held.
     pub prefill: Duration,
@@ -205,6 +205,18 @@ pub struct BatchTimes {
     /// its results. On a GPU, a step whose submit time is close to its whole time is bound
     /// by the host.
     pub decode_submit: Duration,
+}
+
+impl BatchTimes {
+    /// Adds `other`'s times and counts (a replaced batch's, kept by a server).
+    pub fn add(&mut self, other: &BatchTimes) {
+        self.prefill += other.prefill;
+        self.prefill_tokens += other.prefill_tokens;
+        self.decode += other.decode;
+        self.decode_steps += other.decode_steps;
+        self.decode_rows += other.decode_rows;
+        self.decode_submit += other.decode_submit;
+    }
 }
 
 /// A request whose prompt is being read into a cache of its own.

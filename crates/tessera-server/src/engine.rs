@@ -17,8 +17,8 @@ use std::time::Instant;
 use tessera_engine::chat::{ChatTemplate, Message};
 use tessera_engine::speculative::SpecStats;
 use tessera_engine::{
-    Batch, BatchLimits, BatchSpec, EngineError, Event, GenerationRequest, Prompt, PromptInput,
-    RequestId, SamplerConfig, StopReason, TokenLogprobs,
+    Batch, BatchLimits, BatchSpec, BatchTimes, EngineError, Event, GenerationRequest, Prompt,
+    PromptInput, RequestId, SamplerConfig, StopReason, TokenLogprobs,
 };
 use tessera_kv::KvScheme;
 use tessera_models::{Model, Tokenizer};
@@ -320,6 +320,7 @@ fn byte_level(raw: &str) -> Option<Vec<u8>> {
 struct Base {
     prefix: (u64, u64),
     spec: SpecStats,
+    times: BatchTimes,
 }
 
 impl Base {
@@ -330,6 +331,7 @@ impl Base {
             self.prefix = (self.prefix.0 + hits, self.prefix.1 + tokens);
         }
         self.spec.add(batch.spec_stats());
+        self.times.add(batch.times());
     }
 }
 
@@ -350,6 +352,11 @@ fn publish(metrics: &Metrics, batch: &Batch, tally: &mut Tally, base: &Base) {
                 let mut spec = base.spec.clone();
                 spec.add(batch.spec_stats());
                 spec
+            },
+            times: {
+                let mut times = base.times;
+                times.add(batch.times());
+                times
             },
         },
     );

@@ -8,6 +8,7 @@
 use std::fmt::Write as _;
 use std::sync::{Mutex, MutexGuard};
 use tessera_engine::speculative::SpecStats;
+use tessera_engine::BatchTimes;
 
 /// Histogram bucket bounds in seconds, 1 ms to 60 s (`+Inf` is added).
 pub const BUCKETS: [f64; 16] = [
@@ -105,6 +106,8 @@ pub struct Gauges {
     /// Since the server started: what speculation (`--spec`) drafted and accepted (all zero
     /// without it).
     pub spec: SpecStats,
+    /// Since the server started: where the engine's time went.
+    pub times: BatchTimes,
 }
 
 #[derive(Debug, Default)]
@@ -302,6 +305,47 @@ impl Metrics {
             samples.push(("_count".into(), h.count.to_string()));
             metric(name, "histogram", help, &samples);
         }
+        let t = &g.times;
+        for (name, help, v) in [
+            (
+                "tessera_prefill_seconds_total",
+                "Time spent reading prompt chunks.",
+                t.prefill.as_secs_f64(),
+            ),
+            (
+                "tessera_decode_seconds_total",
+                "Time spent in decode steps (each waits for its tokens and samples them).",
+                t.decode.as_secs_f64(),
+            ),
+            (
+                "tessera_decode_submit_seconds_total",
+                "Of the decode time, the host's until each step's forward pass returned; on a GPU, \
+                 close to the decode time means the steps are bound by the host.",
+                t.decode_submit.as_secs_f64(),
+            ),
+        ] {
+            metric(name, "counter", help, &[(String::new(), v.to_string())]);
+        }
+        for (name, help, v) in [
+            (
+                "tessera_prefill_tokens_total",
+                "Prompt tokens read (not those a stored prefix gave).",
+                t.prefill_tokens,
+            ),
+            (
+                "tessera_decode_steps_total",
+                "Decode steps (one forward for every running request).",
+                t.decode_steps,
+            ),
+            (
+                "tessera_decode_row_steps_total",
+                "Running requests summed over the decode steps (divided by the steps: the mean \
+                 batch).",
+                t.decode_rows,
+            ),
+        ] {
+            metric(name, "counter", help, &one(v as u64));
+        }
         out
     }
 }
@@ -326,6 +370,13 @@ mod tests {
             Gauges {
                 running: 1,
                 waiting: 2,
+                times: BatchTimes {
+                    prefill: std::time::Duration::from_millis(1500),
+                    prefill_tokens: 40,
+                    decode_steps: 9,
+                    decode_rows: 20,
+                    ..Default::default()
+                },
                 ..Default::default()
             },
         );
@@ -350,6 +401,12 @@ mod tests {
             "tessera_inter_token_latency_seconds_sum 100",
             "# TYPE tessera_inter_token_latency_seconds histogram",
             "# TYPE tessera_prefix_cache_hits_total counter",
+            "tessera_prefill_seconds_total 1.5",
+            "tessera_prefill_tokens_total 40",
+            "tessera_decode_seconds_total 0",
+            "tessera_decode_steps_total 9",
+            "tessera_decode_row_steps_total 20",
+            "# TYPE tessera_decode_submit_seconds_total counter",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
