@@ -43,9 +43,8 @@ pub struct ModelArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// On a GPU, run every weight matrix through candle's quantized matmuls instead of
-    /// tessera's own kernels (Q4_0: a matvec for one-row decode steps, bf16 GEMMs for
-    /// prefill chunks of 256 rows or more, candle's kernels in between on a second copy, so
-    /// Q4_0 weights take twice their size on the GPU without this flag).
+    /// tessera's own kernels (Q4_0: a tensor-core matmul from the codes below 256 input
+    /// rows, bf16 GEMMs for prefill chunks of 256 rows or more).
     #[arg(long)]
     pub candle_weights: bool,
     /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512`,

@@ -9,19 +9,29 @@ pub const DECODE_CU: &str = include_str!("decode.cu");
 /// Encoding, decoding and growing KV planes on the device (see the comments in the file).
 pub const PLANES_CU: &str = include_str!("planes.cu");
 
-/// Quantized weight matrices: the decode matvec and the dequantization for prefill GEMMs.
+/// Quantized weight matrices: the tensor-core matmul for decode steps and the dequantization
+/// for prefill GEMMs.
 pub const WEIGHTS_CU: &str = include_str!("weights.cu");
 
-/// Columns of a tile in the device's Q4_0 layout (weights.cu): rows of other widths stay
-/// with candle's matmul.
-pub const Q4_0_TILE: usize = 1024;
+/// Columns of an octet of blocks in the device's Q4_0 layout (weights.cu): matrices whose
+/// width is not a multiple stay with candle's matmul.
+pub const Q4_0_OCTET: usize = 256;
 
-/// A Q4_0 matrix of `n × k` (`k` a multiple of [`Q4_0_TILE`]) from the file's blocks (an
-/// f16 scale, then 16 code bytes: byte i holds weight i in its low nibble and weight i + 16
-/// in its high one) into weights.cu's code and scale planes.
+/// Rows of a tile in the device's Q4_0 layout (weights.cu, one mma's M): matrices whose height
+/// is not a multiple stay with candle's matmul.
+pub const Q4_0_ROWS: usize = 16;
+
+/// A Q4_0 matrix of `n × k` (`n` a multiple of [`Q4_0_ROWS`], `k` of [`Q4_0_OCTET`]) from
+/// the file's blocks (an f16 scale, then 16 code bytes: byte i holds weight i in its low
+/// nibble and weight i + 16 in its high one) into weights.cu's code and scale planes. The
+/// code words are the file's own four-byte words, regrouped so that a lane's 16-byte load
+/// holds its word of two blocks for two rows.
 pub fn q4_0_planes(blocks: &[u8], n: usize, k: usize) -> anyhow::Result<(Vec<u8>, Vec<u16>)> {
-    if k % Q4_0_TILE != 0 {
-        anyhow::bail!("Q4_0 matrix of width {k}: the device layout takes multiples of {Q4_0_TILE}");
+    if !k.is_multiple_of(Q4_0_OCTET) || !n.is_multiple_of(Q4_0_ROWS) {
+        anyhow::bail!(
+            "Q4_0 matrix {n}×{k}: the device layout takes rows in multiples of {Q4_0_ROWS} \
+             and widths in multiples of {Q4_0_OCTET}"
+        );
     }
     let kb = k / 32;
     if blocks.len() < n * kb * 18 {
@@ -31,30 +41,31 @@ pub fn q4_0_planes(blocks: &[u8], n: usize, k: usize) -> anyhow::Result<(Vec<u8>
             n * kb * 18
         );
     }
-    let mut codes = vec![0u8; n * k / 2];
-    let mut scales = vec![0u16; n * kb];
-    for row in 0..n {
-        for tile in 0..k / Q4_0_TILE {
-            let base = row * kb + tile * 32; // the tile's first block, row-major
+    let block = |row: usize, b: usize| &blocks[(row * kb + b) * 18..][..18];
+    let mut codes = Vec::with_capacity(n * k / 2);
+    let mut scales = Vec::with_capacity(n * kb);
+    for tile in 0..n / Q4_0_ROWS {
+        let row0 = tile * Q4_0_ROWS;
+        for pair in 0..kb / 2 {
             for lane in 0..32 {
-                let out = &mut codes[(base + lane) * 16..(base + lane + 1) * 16];
-                for q in 0..8 {
-                    let block = &blocks[(base + 4 * q + lane / 8) * 18..][..18];
-                    for e in 0..4 {
-                        let p = 4 * (lane % 8) + e; // position in the block
-                        let code = if p < 16 {
-                            block[2 + p] & 15
-                        } else {
-                            block[2 + p - 16] >> 4
-                        };
-                        out[4 * (q / 2) + e] |= code << (4 * (q % 2));
-                    }
+                let (g, t) = (lane / 4, lane % 4);
+                for (b, dr) in [
+                    (2 * pair, 0),
+                    (2 * pair, 8),
+                    (2 * pair + 1, 0),
+                    (2 * pair + 1, 8),
+                ] {
+                    codes.extend_from_slice(&block(row0 + g + dr, b)[2 + 4 * t..][..4]);
                 }
             }
-            for a in 0..4 {
-                for q in 0..8 {
-                    let block = &blocks[(base + 4 * q + a) * 18..][..2];
-                    scales[base + a * 8 + q] = u16::from_le_bytes([block[0], block[1]]);
+        }
+        for octet in 0..kb / 8 {
+            for g in 0..8 {
+                for i in 0..8 {
+                    for dr in [0, 8] {
+                        let d = block(row0 + g + dr, octet * 8 + i);
+                        scales.push(u16::from_le_bytes([d[0], d[1]]));
+                    }
                 }
             }
         }
@@ -104,7 +115,7 @@ mod tests {
     /// and compares it with the file block's value: every weight lands once, in its place.
     #[test]
     fn q4_0_planes_hold_every_weight_where_the_kernel_reads_it() {
-        let (n, k) = (3, 2048);
+        let (n, k) = (32, 512);
         let kb = k / 32;
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let blocks: Vec<u8> = (0..n * kb * 18)
@@ -116,6 +127,7 @@ mod tests {
             })
             .collect();
         let (codes, scales) = q4_0_planes(&blocks, n, k).unwrap();
+        assert_eq!((codes.len(), scales.len()), (n * k / 2, n * kb));
         for row in 0..n {
             for col in 0..k {
                 // The file: block col / 32, position col % 32.
@@ -127,17 +139,20 @@ mod tests {
                     block[2 + p - 16] >> 4
                 };
                 let want_scale = u16::from_le_bytes([block[0], block[1]]);
-                // The planes: tile, step q = (col % 1024) / 128, lane L, weight e.
-                let (tile, c) = (col / 1024, col % 1024);
-                let (q, lane, e) = (c / 128, (c % 128) / 4, c % 4);
-                let word = row * k / 2 + (tile * 32 + lane) * 16 + 4 * (q / 2);
-                let got = (codes[word + e] >> (4 * (q % 2))) & 15;
+                // The planes: tile, block pair, lane (g, t), word e of the lane's load.
+                let (tile, g, upper) = (row / 16, row % 8, row % 16 >= 8);
+                let (b, pos) = (col / 32, col % 32);
+                let (t, byte, nibble) = ((pos % 16) / 4, pos % 4, pos / 16);
+                let e = 2 * (b % 2) + usize::from(upper);
+                let load = (tile * (kb / 2) + b / 2) * 32 + 4 * g + t;
+                let got = (codes[load * 16 + 4 * e + byte] >> (4 * nibble)) & 15;
                 assert_eq!(got, want, "row {row} col {col}");
-                let scale = scales[row * kb + tile * 32 + (lane / 8) * 8 + q];
-                assert_eq!(scale, want_scale, "row {row} col {col} scale");
+                let s = ((tile * (kb / 8) + b / 8) * 8 + g) * 16 + 2 * (b % 8) + usize::from(upper);
+                assert_eq!(scales[s], want_scale, "row {row} col {col} scale");
             }
         }
         assert!(q4_0_planes(&blocks, n, 1000).is_err());
+        assert!(q4_0_planes(&blocks, 24, k).is_err());
         assert!(q4_0_planes(&blocks[..100], n, k).is_err());
     }
 

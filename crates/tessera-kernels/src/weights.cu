@@ -1,25 +1,34 @@
-// Quantized weight matrices on the device: the decode step's matvecs and the dequantization
-// that feeds prefill's bf16 GEMMs (see weights.rs).
+// Quantized weight matrices on the device: the decode step's matmuls on the tensor cores and
+// the dequantization that feeds prefill's bf16 GEMMs (see weights.rs).
 //
-// Q4_0 layout, for a matrix of n rows × k columns, k a multiple of 1024: each row is split
-// into tiles of 1024 weights (32 of the file's 32-weight blocks), and a tile into 32 lanes'
-// 16 bytes. At step q (0..7) lane L holds the four weights at columns q·128 + 4L .. +3 of
-// the tile: block 4q + L/8 of the tile, positions 4(L%8) .. +3. So a warp reading step q's
-// inputs reads 128 consecutive floats (one coalesced 512-byte load), and a lane's 32 weights
-// come from 8 blocks. Lane L's 16 bytes: word t holds steps 2t (low nibbles) and 2t + 1
-// (high nibbles), byte e of the word the step's weight e.
-//   codes  n × k/2 bytes, row-major, tile by tile, lane by lane;
-//   scales n × k/32 f16, row-major; within a tile, scale a·8 + q is block 4q + a, so a
-//          lane's eight scales (a = L/8) are one 16-byte load shared by eight lanes.
-// weights.rs's `q4_0_planes` writes this layout from the file's blocks.
+// The products are m16n8k16 f16 mma with f32 accumulation: 16 weight rows as M, input rows
+// as N, and per 32-weight block two mma whose sum is scaled by the block's scale in f32.
+// A dot product sums over k, so k may be permuted as long as weights and inputs agree:
+// lane (g = lane / 4, t = lane % 4) takes, of each block, the weights at positions
+// 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3, which are exactly the file's code word t (bytes
+// 4t .. 4t + 3, low nibbles the first four, high nibbles the second). With the 1024
+// exponent trick a masked word becomes two f16 codes (1024 + c); subtracting 1032 gives
+// c − 8 exactly. Slot pairs (2t, 2t+1) and (2t+8, 2t+9) of mma 0 hold positions
+// (4t, 4t+2) and (4t+1, 4t+3); mma 1's slots hold 16 + those positions (the high nibbles).
+//
+// Q4_0 planes, for n rows (a multiple of 16) × k columns (a multiple of 256):
+//   codes  per 16-row tile T, per block pair P (k / 64), per lane: one 16-byte load of
+//          code word t of [block 2P row g, block 2P row g + 8, block 2P+1 row g,
+//          block 2P+1 row g + 8] (rows counted from 16T);
+//   scales per tile T, per block octet O (k / 256), per g: 16 f16, block 8O + i's scales of
+//          rows g and g + 8 at 2i and 2i + 1 (two 16-byte loads a lane per octet).
+// lib.rs's `q4_0_planes` writes this layout from the file's blocks.
+//
+// Inputs: `q4_0_inputs` turns f32 rows into B fragments once per matmul. Up to 16 rows (a
+// decode step), each input row is split into an f16 high part and an f16 residual (x − hi)
+// in two adjacent columns, so the product carries ~22 bits of x (f32-like) rather than f16's
+// 11; the output adds the two columns. Above, rows enter as f16, 32 a launch (NT = 4 n8
+// tiles either way).
 // No CUDA headers: f16 and bf16 are converted by hand, so NVRTC needs no include path.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
-
-#define WARPS 4
-#define TILE 1024
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
@@ -27,103 +36,220 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 
-// Byte `i` of `w` (a nibble, 0..15) minus 8, as a float: the byte goes into the mantissa of
-// 2^23 (one byte permute), and one subtraction takes 2^23 + 8 off, exactly.
-#define NIB(w, i) (__int_as_float(__byte_perm((w), 0x4B000000, 0x7440 + (i))) - 8388616.0f)
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
 
 __device__ __forceinline__ u32 word_of(const uint4& c, int t) {
     return t == 0 ? c.x : t == 1 ? c.y : t == 2 ? c.z : c.w;
 }
 
-// y[m][j] = Σ_e W[j][e] · x[m][e] for M input rows. A block computes R output rows; its
-// warps split the rows' tiles (warp w takes tiles w, w + WARPS, …), each lane keeps f32
-// partial sums, reduced across the warp and then across warps through shared memory.
-// Grid: ceil(n / R) blocks of 32 · WARPS threads.
-template <int M, int R>
-__device__ void q4_0_matvec(const u8* __restrict__ codes, const u16* __restrict__ scales,
-                            const float* __restrict__ x, float* __restrict__ y, int n, int k) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = blockIdx.x * R;
-    const int tiles = k / TILE;
-    const uint4* rows[R];
-    const uint4* row_scales[R];
+// Two codes at bits `shift` and `shift + 16` of `w` as f16 (c − 8): one shift, one
+// mask-or (LOP3), one f16x2 subtract, all exact.
+__device__ __forceinline__ u32 codes_f16(u32 w, int shift) {
+    const u32 v = ((w >> shift) & 0x000F000Fu) | 0x64006400u; // 1024 + c
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64086408u)); // − 1032
+    return r;
+}
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+                 : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]),
+                   "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// B fragments for the input rows of `x` (row-major, k floats each): per n8 tile j, per block
+// b, per lane: [b0, b1] of mma 0, then of mma 1. With `split`, column 8j + g is input row
+// (8j + g) / 2, its high part for even columns and its residual for odd ones (4 rows a
+// tile); without, column c is input row c in f16 (8 rows a tile). Zero past m. One thread a
+// lane's 16 bytes. Grid: NT · k/32 · 32 threads.
+extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __restrict__ frag,
+                                       int m, int k, int nt, int split) {
+    const int kb = k >> 5;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nt * kb * 32) return;
+    const int lane = i & 31, b = (i >> 5) % kb, j = (i >> 5) / kb;
+    const int col = 8 * j + (lane >> 2), t = lane & 3, row = split ? col >> 1 : col;
+    const bool residual = split && (col & 1);
+    uint4 out = make_uint4(0u, 0u, 0u, 0u);
+    if (row < m) {
+        const float* xr = x + (size_t)row * k + 32 * b + 4 * t;
+        const float4 lo = __ldg((const float4*)xr), hi = __ldg((const float4*)(xr + 16));
+        float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        u32 h[8];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        const int row = min(row0 + r, n - 1); // a ragged last block reads its last row again
-        rows[r] = (const uint4*)(codes + (size_t)row * (k >> 1)) + lane;
-        row_scales[r] = (const uint4*)(scales + (size_t)row * (k >> 5)) + (lane >> 3);
+        for (int e = 0; e < 8; e++) {
+            h[e] = f32_to_f16(v[e]);
+            if (residual) h[e] = f32_to_f16(v[e] - f16_to_f32((u16)h[e]));
+        }
+        // Slots (2t, 2t+1) ← positions (4t, 4t+2); (2t+8, 2t+9) ← (4t+1, 4t+3).
+        out.x = h[0] | (h[2] << 16);
+        out.y = h[1] | (h[3] << 16);
+        out.z = h[4] | (h[6] << 16);
+        out.w = h[5] | (h[7] << 16);
     }
-    float acc[M][R];
+    frag[i] = out;
+}
+
+// A lane's B fragment of block b for one n8 tile, loaded only where its column is one of the
+// `live` columns holding input (at m = 1 with split inputs, eight lanes of 32), zero
+// elsewhere: a predicated load, so the octet's loads still issue together.
+__device__ __forceinline__ uint4 fragment(const uint4* __restrict__ frag, int b, int live,
+                                          int lane) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if ((lane >> 2) < live) v = __ldg(frag + (size_t)b * 32 + lane);
+    return v;
+}
+
+// One octet's loads for RT tiles: a lane's 4 code loads and 2 scale loads per tile, and
+// with one n8 tile (up to 4 input rows) the octet's 8 B fragments too.
+template <int NT, int RT>
+struct Octet {
+    uint4 c[RT][4], s[RT][2], bf[NT == 1 ? 8 : 1];
+};
+
+template <int NT, int RT>
+__device__ __forceinline__ void load_octet(Octet<NT, RT>& q, const uint4* const (&cbase)[RT],
+                                           const uint4* const (&sbase)[RT],
+                                           const uint4* __restrict__ frag, int o, int kb,
+                                           int live, int lane) {
 #pragma unroll
-    for (int m = 0; m < M; m++)
+    for (int r = 0; r < RT; r++) {
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[m][r] = 0.0f;
-    for (int t = warp; t < tiles; t += WARPS) {
-        uint4 c[R], d16[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            c[r] = __ldg(rows[r] + t * 32);
-            d16[r] = __ldg(row_scales[r] + t * 4);
-        }
-        const float* xt = x + t * TILE + 4 * lane;
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            float4 xv[M];
-#pragma unroll
-            for (int m = 0; m < M; m++) xv[m] = __ldg((const float4*)(xt + (size_t)m * k + q * 128));
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                const u32 cw = word_of(c[r], q >> 1);
-                const u32 w = (q & 1) ? (cw >> 4) & 0x0F0F0F0Fu : cw & 0x0F0F0F0Fu;
-                const u32 dw = word_of(d16[r], q >> 1);
-                const float d = f16_to_f32((u16)((q & 1) ? dw >> 16 : dw & 0xFFFF));
-                const float w0 = NIB(w, 0), w1 = NIB(w, 1), w2 = NIB(w, 2), w3 = NIB(w, 3);
-#pragma unroll
-                for (int m = 0; m < M; m++) {
-                    float s = w0 * xv[m].x;
-                    s = fmaf(w1, xv[m].y, s);
-                    s = fmaf(w2, xv[m].z, s);
-                    s = fmaf(w3, xv[m].w, s);
-                    acc[m][r] = fmaf(s, d, acc[m][r]);
-                }
-            }
-        }
+        for (int p = 0; p < 4; p++) q.c[r][p] = __ldg(cbase[r] + (o * 4 + p) * 32);
+        q.s[r][0] = __ldg(sbase[r] + o * 16);
+        q.s[r][1] = __ldg(sbase[r] + o * 16 + 1);
     }
-    __shared__ float part[WARPS][M * R];
+    if (NT == 1) {
 #pragma unroll
-    for (int m = 0; m < M; m++)
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            float v = acc[m][r];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) part[warp][m * R + r] = v;
-        }
-    __syncthreads();
-    for (int i = threadIdx.x; i < M * R; i += blockDim.x) {
-        const int m = i / R, row = row0 + i % R;
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) v += part[w][i];
-        if (row < n) y[(size_t)m * n + row] = v;
+        for (int i = 0; i < 8; i++) q.bf[i] = fragment(frag, o * 8 + i, live, lane);
     }
 }
 
-// Rows per block for M inputs (weights.rs's `rows_per_block` repeats it).
-#define ROWS_PER_BLOCK(M) ((M) <= 2 ? 4 : 2)
-#define MATVEC(M)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS) q4_0_matvec_##M(               \
-        const u8* codes, const u16* scales, const float* x, float* y, int n, int k) {      \
-        q4_0_matvec<M, ROWS_PER_BLOCK(M)>(codes, scales, x, y, n, k);                      \
+// One octet's products: per block, the B fragments, then per tile two mma whose sum is
+// scaled by the block's scale of each row.
+template <int NT, int RT>
+__device__ __forceinline__ void mma_octet(float (&acc)[RT][NT][4], const Octet<NT, RT>& q,
+                                          const uint4* __restrict__ frag, int o, int kb,
+                                          int lane) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) { // the octet's blocks
+        const int b = o * 8 + i;
+        uint4 bf[NT];
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+            bf[j] = NT == 1 ? q.bf[i] : __ldg(frag + ((size_t)j * kb + b) * 32 + lane);
+#pragma unroll
+        for (int r = 0; r < RT; r++) {
+            const uint4& cw = q.c[r][i >> 1];
+            const u32 w0 = (i & 1) ? cw.z : cw.x, w8 = (i & 1) ? cw.w : cw.y; // rows g, g+8
+            const u32 a0 = codes_f16(w0, 0), a2 = codes_f16(w0, 8);
+            const u32 a1 = codes_f16(w8, 0), a3 = codes_f16(w8, 8);
+            const u32 h0 = codes_f16(w0, 4), h2 = codes_f16(w0, 12);
+            const u32 h1 = codes_f16(w8, 4), h3 = codes_f16(w8, 12);
+            const u32 dw = word_of(q.s[r][i >> 2], i & 3);
+            const float d0 = f16_to_f32((u16)(dw & 0xFFFF)), d8 = f16_to_f32((u16)(dw >> 16));
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma(p, a0, a1, a2, a3, bf[j].x, bf[j].y);
+                mma(p, h0, h1, h2, h3, bf[j].z, bf[j].w);
+                acc[r][j][0] = fmaf(p[0], d0, acc[r][j][0]);
+                acc[r][j][1] = fmaf(p[1], d0, acc[r][j][1]);
+                acc[r][j][2] = fmaf(p[2], d8, acc[r][j][2]);
+                acc[r][j][3] = fmaf(p[3], d8, acc[r][j][3]);
+            }
+        }
     }
-MATVEC(1)
-MATVEC(2)
-MATVEC(3)
-MATVEC(4)
-MATVEC(5)
-MATVEC(6)
-MATVEC(7)
-MATVEC(8)
+}
+
+// y[r][row] = Σ_e W[row][e] · x[r][e] for the m input rows whose fragments `frag` holds
+// (`split` as `q4_0_inputs` wrote them: m ≤ 4·NT, else m ≤ 8·NT). A block of W warps takes
+// RT tiles of 16 rows; its warps split the octets (warp w: octets w, w + W, …), the next
+// octet's loads in flight while one computes (two register sets, alternated by an unrolled
+// pair of steps so that neither is indexed at run time); partial sums meet in shared
+// memory. Grid: n / (16·RT) blocks of 32·W threads.
+template <int NT, int RT, int W>
+__device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restrict__ scales,
+                         const uint4* __restrict__ frag, float* __restrict__ y, int m, int n,
+                         int k, int split) {
+    const int live = split ? 2 * m : m; // columns holding input
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int octets = k >> 8, kb = k >> 5;
+    const int tile0 = blockIdx.x * RT;
+    const uint4* cbase[RT];
+    const uint4* sbase[RT];
+#pragma unroll
+    for (int r = 0; r < RT; r++) {
+        const int tile = min(tile0 + r, n / 16 - 1); // a ragged grid reads its last tile again
+        cbase[r] = codes + (size_t)tile * (k >> 6) * 32 + lane;
+        sbase[r] = scales + ((size_t)tile * octets * 8 + g) * 2;
+    }
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[r][j][e] = 0.0f;
+
+    Octet<NT, RT> qa, qb;
+    int o = warp;
+    if (o < octets) load_octet<NT, RT>(qa, cbase, sbase, frag, o, kb, live, lane);
+    while (o < octets) {
+        if (o + W < octets) load_octet<NT, RT>(qb, cbase, sbase, frag, o + W, kb, live, lane);
+        mma_octet<NT, RT>(acc, qa, frag, o, kb, lane);
+        o += W;
+        if (o >= octets) break;
+        if (o + W < octets) load_octet<NT, RT>(qa, cbase, sbase, frag, o + W, kb, live, lane);
+        mma_octet<NT, RT>(acc, qb, frag, o, kb, lane);
+        o += W;
+    }
+    // C holds columns 8j + 2t, 8j + 2t + 1 of rows g and g + 8; warps meet per column, then a
+    // split input row adds its two columns.
+    __shared__ float part[W][RT * 16][8 * NT];
+#pragma unroll
+    for (int r = 0; r < RT; r++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            part[warp][r * 16 + g][8 * j + 2 * t] = acc[r][j][0];
+            part[warp][r * 16 + g][8 * j + 2 * t + 1] = acc[r][j][1];
+            part[warp][r * 16 + g + 8][8 * j + 2 * t] = acc[r][j][2];
+            part[warp][r * 16 + g + 8][8 * j + 2 * t + 1] = acc[r][j][3];
+        }
+    __syncthreads();
+    const int inputs = split ? 4 * NT : 8 * NT;
+    for (int i = threadIdx.x; i < RT * 16 * inputs; i += blockDim.x) {
+        const int in = i / (RT * 16), rr = i % (RT * 16); // consecutive threads, consecutive rows
+        const int row = tile0 * 16 + rr;
+        if (in >= m || row >= n) continue;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; w++)
+            v += split ? part[w][rr][2 * in] + part[w][rr][2 * in + 1] : part[w][rr][in];
+        y[(size_t)in * n + row] = v;
+    }
+}
+
+// Kernels by n8 tiles (4, 8 or 16 input rows), 16-row tiles a block and warps a block
+// (weights.rs picks).
+#define MMA_KERNEL(NT, RT, W)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * W) q4_0_mma_##NT##_##RT##_##W(         \
+        const uint4* codes, const uint4* scales, const uint4* frag, float* y, int m, int n,  \
+        int k, int split) {                                                                  \
+        q4_0_mma<NT, RT, W>(codes, scales, frag, y, m, n, k, split);                         \
+    }
+#define MMA_KERNELS(RT, W) MMA_KERNEL(1, RT, W) MMA_KERNEL(2, RT, W) MMA_KERNEL(4, RT, W)
+MMA_KERNELS(1, 4)
+MMA_KERNELS(2, 4)
+MMA_KERNELS(1, 8)
+MMA_KERNELS(2, 8)
 
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
     u16 h;
@@ -131,28 +257,42 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return h;
 }
 
-// W as bf16 (n × k, row-major) for a prefill GEMM: one thread per lane of a tile (32
-// weights: eight steps of four). (code − 8) · scale is exact in f32 and rounds once to bf16.
-extern "C" __global__ void q4_0_to_bf16(const u8* __restrict__ codes,
+// W as bf16 (n × k, row-major) for a prefill GEMM: one thread per 16-byte code load of the
+// planes (tile T, block pair P, lane): rows g and g + 8 of blocks 2P and 2P + 1, positions
+// 4t .. 4t+3 and 16 + 4t .. 16 + 4t + 3 of each. (c − 8) · scale is exact in f32 and rounds
+// once to bf16.
+extern "C" __global__ void q4_0_to_bf16(const uint4* __restrict__ codes,
                                         const u16* __restrict__ scales, u16* __restrict__ w,
-                                        long long lanes) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < lanes;
+                                        int k, long long loads) {
+    const int pairs = k >> 6, octets = k >> 8;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < loads;
          i += (long long)gridDim.x * blockDim.x) {
-        // Lane i is lane L = i % 32 of tile i / 32 (tiles of all rows in order).
-        const long long tile = i >> 5;
-        const int lane = (int)(i & 31);
-        const uint4 c = __ldg((const uint4*)codes + i);
-        const uint4 d16 = __ldg((const uint4*)scales + tile * 4 + (lane >> 3));
-        u16* out = w + tile * TILE + 4 * lane;
+        const int lane = (int)(i & 31), g = lane >> 2, t = lane & 3;
+        const long long tp = i >> 5; // tile · pairs + pair
+        const long long tile = tp / pairs;
+        const int pair = (int)(tp % pairs);
+        const uint4 c = __ldg(codes + i);
 #pragma unroll
-        for (int q = 0; q < 8; q++) {
-            const u32 cw = word_of(c, q >> 1);
-            const u32 v = (q & 1) ? (cw >> 4) & 0x0F0F0F0Fu : cw & 0x0F0F0F0Fu;
-            const u32 dw = word_of(d16, q >> 1);
-            const float d = f16_to_f32((u16)((q & 1) ? dw >> 16 : dw & 0xFFFF));
-            const u32 lo = f32_to_bf16(NIB(v, 0) * d) | ((u32)f32_to_bf16(NIB(v, 1) * d) << 16);
-            const u32 hi = f32_to_bf16(NIB(v, 2) * d) | ((u32)f32_to_bf16(NIB(v, 3) * d) << 16);
-            *(uint2*)(out + q * 128) = make_uint2(lo, hi);
+        for (int e = 0; e < 4; e++) { // [block 2P row g, 2P row g+8, 2P+1 row g, 2P+1 row g+8]
+            const int blk = 2 * pair + (e >> 1), dr = (e & 1) * 8;
+            const long long row = tile * 16 + g + dr;
+            const u16 dh = scales[((tile * octets + (blk >> 3)) * 8 + g) * 16 + 2 * (blk & 7) +
+                                  (e & 1)];
+            const float d = f16_to_f32(dh);
+            const u32 word = word_of(c, e);
+            u16* out = w + row * k + blk * 32 + 4 * t;
+#pragma unroll
+            for (int half = 0; half < 2; half++) { // low nibbles, then high
+                u32 lo = 0, hi = 0;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int code = (word >> (8 * q + 4 * half)) & 15;
+                    const u32 v = f32_to_bf16((float)(code - 8) * d);
+                    if (q < 2) lo |= v << (16 * q);
+                    else hi |= v << (16 * (q - 2));
+                }
+                *(uint2*)(out + 16 * half) = make_uint2(lo, hi);
+            }
         }
     }
 }

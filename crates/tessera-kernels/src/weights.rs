@@ -1,15 +1,13 @@
 //! tessera-models' weight backend on CUDA: Q4_0 matrices rearranged into a code plane and
-//! a scale plane (weights.cu), multiplied by our matvec for one input row (a batch-1
-//! decode step: f32 activations, no activation quantization, 1e-7 from an f64 reference
-//! where candle's int8 path is 5e-3 away) and dequantized to bf16 for cuBLAS from
-//! [`GEMM_FROM`] rows (prefill chunks, on the tensor cores). Between the two, candle's
-//! kernels on its own copy of the matrix were faster, so that copy stays too: the weights
-//! take twice their file's size on the device until our kernels cover those rows (NOTES.md).
-//! Everything runs on candle's stream for the device. Other weight types stay with candle's
-//! quantized matmuls.
+//! a scale plane (weights.cu), multiplied on the tensor cores below [`GEMM_FROM`] input rows
+//! (f16 mma over the exact codes; up to [`SPLIT_UP_TO`] rows, a decode step, each input row
+//! split into an f16 high part and residual so the product keeps ~22 bits of x) and
+//! dequantized to bf16 for cuBLAS from [`GEMM_FROM`] rows (prefill chunks). Everything runs
+//! on candle's stream for the device. Other weight types, and Q4_0 matrices whose shape the
+//! layout does not take, stay with candle's quantized matmuls.
 
 use crate::cuda::compile_source;
-use crate::{q4_0_planes, Q4_0_TILE, WEIGHTS_CU};
+use crate::{q4_0_planes, Q4_0_OCTET, Q4_0_ROWS, WEIGHTS_CU};
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -17,30 +15,68 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
-use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use std::any::Any;
-use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tessera_models::device_weights::{DeviceMatrix, WeightBackend};
 
-/// Most input rows one matvec launch takes (weights.cu instantiates 1..=8).
-pub const MATVEC_ROWS: usize = 8;
-/// Input rows our matvec serves in the model; from 2 rows candle's int8 kernels (dp4a on
-/// its own copy of the matrix) were faster on the H200 (weights-bench, NOTES.md).
-pub const MATVEC_UP_TO: usize = 1;
-/// Input rows from which the matrix is dequantized to bf16 for a GEMM (prefill chunks);
-/// below, candle's kernels won (weights-bench: 64 rows 14.1 ms against 9.0, 512 rows 26.5
-/// against 41.8 for one 8B forward).
+/// Most input rows whose launches split each row into an f16 high part and residual (f32-like
+/// products, 16 a launch); more rows enter as f16, 32 a launch.
+pub const SPLIT_UP_TO: usize = 16;
+/// Input rows from which the matrix is dequantized to bf16 for a GEMM (prefill chunks).
 pub const GEMM_FROM: usize = 256;
-/// Warps per matvec block, and output rows per block for `m` inputs (weights.cu's `WARPS`
-/// and `ROWS_PER_BLOCK`).
-const WARPS: usize = 4;
-fn rows_per_block(m: usize) -> usize {
-    if m <= 2 {
-        4
+/// Input rows a launch takes: 4 n8 tiles of split (two-column) or plain rows.
+fn rows_per_launch(split: bool) -> usize {
+    if split {
+        16
     } else {
-        2
+        32
+    }
+}
+/// n8 tiles for `rows` input rows: the kernels exist for 1, 2 and 4.
+fn n_tiles(rows: usize, split: bool) -> usize {
+    let columns = if split { 2 * rows } else { rows };
+    columns.div_ceil(8).next_power_of_two()
+}
+
+/// How a tensor-core launch is shaped: 16-row tiles a block (1 or 2) and warps a block (4 or
+/// 8, splitting the rows' octets).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmaShape {
+    pub tiles: usize,
+    pub warps: usize,
+}
+
+impl MmaShape {
+    /// Every shape the kernels exist for.
+    pub fn all() -> Vec<MmaShape> {
+        [1, 2]
+            .into_iter()
+            .flat_map(|tiles| [4, 8].map(|warps| MmaShape { tiles, warps }))
+            .collect()
+    }
+
+    /// The shape the model uses for an `n`-row matrix: matrices of few tiles (an 8B's o and
+    /// down, 256 tiles) ran fastest as 2 tiles × 8 warps, the rest as 1 × 4 (weights-bench
+    /// on the H200, 1–16 input rows, NOTES.md).
+    pub fn for_matrix(n: usize) -> MmaShape {
+        if n <= 4096 {
+            MmaShape { tiles: 2, warps: 8 }
+        } else {
+            MmaShape { tiles: 1, warps: 4 }
+        }
+    }
+
+    fn kernel_name(&self, nt: usize) -> String {
+        format!("q4_0_mma_{nt}_{}_{}", self.tiles, self.warps)
+    }
+}
+
+impl std::fmt::Display for MmaShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} tile(s) × {} warps", self.tiles, self.warps)
     }
 }
 
@@ -52,9 +88,13 @@ fn candle_error(e: impl std::fmt::Display) -> candle_core::Error {
 
 struct Kernels {
     device: CudaDevice,
-    /// `matvec[m - 1]` takes `m` input rows.
-    matvec: Vec<CudaFunction>,
+    /// The tensor-core kernels by name (weights.cu's `q4_0_mma_{NT}_{tiles}_{warps}`).
+    mma: HashMap<String, CudaFunction>,
+    inputs: CudaFunction,
     to_bf16: CudaFunction,
+    /// The B fragments' scratch, shared by every matrix: launches on one stream run in
+    /// order, so a matmul's fragments are read before the next one writes them.
+    fragments: Mutex<Option<CudaSlice<u32>>>,
 }
 
 /// Installs the CUDA weight backend into tessera-models (once per process).
@@ -81,28 +121,29 @@ impl CudaWeights {
         }
         let module =
             compile_source(device.cuda_stream().context(), WEIGHTS_CU).context("weights.cu")?;
-        let matvec = (1..=MATVEC_ROWS)
-            .map(|m| module.load_function(&format!("q4_0_matvec_{m}")))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mma = MmaShape::all()
+            .iter()
+            .flat_map(|shape| [1, 2, 4].map(|nt| shape.kernel_name(nt)))
+            .map(|name| Ok((name.clone(), module.load_function(&name)?)))
+            .collect::<anyhow::Result<HashMap<_, _>>>()?;
         let k = Arc::new(Kernels {
             device: device.clone(),
-            matvec,
+            mma,
+            inputs: module.load_function("q4_0_inputs")?,
             to_bf16: module.load_function("q4_0_to_bf16")?,
+            fragments: Mutex::new(None),
         });
         *slot = Some(k.clone());
         Ok(k)
     }
 
-    /// A Q4_0 matrix of `n × k` from the file's blocks, in our planes on the device;
-    /// `candle` serves the row counts between [`MATVEC_UP_TO`] and [`GEMM_FROM`] (without
-    /// it, matvec launches do).
+    /// A Q4_0 matrix of `n × k` from the file's blocks, in our planes on the device.
     pub fn q4_0(
         &self,
         device: &CudaDevice,
         blocks: &[u8],
         n: usize,
         k: usize,
-        candle: Option<QMatMul>,
     ) -> anyhow::Result<Q4Matrix> {
         let (codes, scales) = q4_0_planes(blocks, n, k)?;
         let kernels = self.kernels(device)?;
@@ -113,7 +154,6 @@ impl CudaWeights {
             n,
             k,
             kernels,
-            candle,
         })
     }
 }
@@ -124,19 +164,17 @@ impl WeightBackend for CudaWeights {
             return Ok(None);
         };
         let (n, k) = t.shape().dims2()?;
-        if t.dtype() != GgmlDType::Q4_0 || k % Q4_0_TILE != 0 {
+        if t.dtype() != GgmlDType::Q4_0
+            || !k.is_multiple_of(Q4_0_OCTET)
+            || !n.is_multiple_of(Q4_0_ROWS)
+        {
             return Ok(None);
         }
         let blocks = t.data()?;
-        // candle's copy, for the rows its kernels serve (the caller drops `t`).
         let exact = blocks.get(..n * k / Q4_0_BLOCK * 18).ok_or_else(|| {
             candle_core::Error::Msg(format!("Q4_0 matrix {n}×{k}: {} bytes", blocks.len()))
         })?;
-        let storage = QStorage::from_data(Cow::Borrowed(exact), &t.device(), GgmlDType::Q4_0)?;
-        let candle = QMatMul::from_qtensor(QTensor::new(storage, (n, k))?)?;
-        let m = self
-            .q4_0(&device, exact, n, k, Some(candle))
-            .map_err(candle_error)?;
+        let m = self.q4_0(&device, exact, n, k).map_err(candle_error)?;
         Ok(Some(Box::new(m)))
     }
 
@@ -180,80 +218,95 @@ impl WeightBackend for CudaWeights {
             n,
             k: first.k,
             kernels: first.kernels.clone(),
-            candle: stack_candle(&q4)?,
         })))
     }
 }
 
-/// The parts' candle matrices as one, their rows stacked (GGUF rows are whole blocks, so
-/// stacking concatenates bytes), where every part has one.
-fn stack_candle(parts: &[&Q4Matrix]) -> candle_core::Result<Option<QMatMul>> {
-    let mut bytes = Vec::new();
-    let mut rows = 0;
-    for p in parts {
-        let Some(QMatMul::QTensor(t)) = &p.candle else {
-            return Ok(None);
-        };
-        // (A device copy carries padding past its last row.)
-        let row_bytes = p.k / Q4_0_BLOCK * 18;
-        bytes.extend_from_slice(&t.data()?[..p.n * row_bytes]);
-        rows += p.n;
-    }
-    let device = Device::Cuda(parts[0].kernels.device.clone());
-    let storage = QStorage::from_data(Cow::Owned(bytes), &device, GgmlDType::Q4_0)?;
-    QMatMul::from_qtensor(QTensor::new(storage, (rows, parts[0].k))?).map(Some)
-}
-
-/// A Q4_0 matrix in our planes (weights.cu's layout), with candle's copy for the row
-/// counts its kernels serve faster.
+/// A Q4_0 matrix in our planes (weights.cu's layout).
 pub struct Q4Matrix {
     codes: CudaSlice<u8>,
     scales: CudaSlice<u16>,
     n: usize,
     k: usize,
     kernels: Arc<Kernels>,
-    candle: Option<QMatMul>,
 }
 
 impl Q4Matrix {
-    /// `y = x · Wᵀ` for `m` rows of f32 `x` (starting at `offset`), by matvec launches of at
-    /// most [`MATVEC_ROWS`] rows each.
-    fn matvec(
+    /// `y = x · Wᵀ` for `m` rows of f32 `x` (starting at `offset`), by tensor-core launches
+    /// (rows split into high parts and residuals up to [`SPLIT_UP_TO`] rows).
+    fn mma(
         &self,
         x: &CudaSlice<f32>,
         offset: usize,
         m: usize,
+        shape: MmaShape,
     ) -> anyhow::Result<CudaSlice<f32>> {
         let stream = self.kernels.device.cuda_stream();
         // SAFETY: the launches below write every element before anything reads it.
         let mut y = unsafe { stream.alloc::<f32>(m * self.n)? };
         let (n, k) = (self.n as i32, self.k as i32);
-        for first in (0..m).step_by(MATVEC_ROWS) {
-            let rows = (m - first).min(MATVEC_ROWS);
-            let cfg = LaunchConfig {
-                grid_dim: (self.n.div_ceil(rows_per_block(rows)) as u32, 1, 1),
-                block_dim: ((32 * WARPS) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
+        let split = m <= SPLIT_UP_TO;
+        let per_launch = rows_per_launch(split);
+        let words = n_tiles(m.min(per_launch), split) * self.k * 4;
+        let mut scratch = self
+            .kernels
+            .fragments
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if scratch.as_ref().is_none_or(|f| f.len() < words) {
+            // SAFETY: `q4_0_inputs` writes every fragment word a matmul reads.
+            *scratch = Some(unsafe { stream.alloc::<u32>(words)? });
+        }
+        let frag = scratch
+            .as_mut()
+            .ok_or_else(|| anyhow!("no fragment scratch"))?;
+        let cfg = LaunchConfig {
+            grid_dim: ((self.n / Q4_0_ROWS).div_ceil(shape.tiles) as u32, 1, 1),
+            block_dim: ((32 * shape.warps) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let split_i = i32::from(split);
+        for first in (0..m).step_by(per_launch) {
+            let rows = (m - first).min(per_launch);
+            let nt = n_tiles(rows, split);
             let at = offset + first * self.k;
             let xs = x.slice(at..at + rows * self.k);
+            let (rows_i, nt_i) = (rows as i32, nt as i32);
+            let threads = (nt * self.k) as u32; // NT · k/32 blocks · 32 lanes
+            let mut l = stream.launch_builder(&self.kernels.inputs);
+            l.arg(&xs)
+                .arg(&mut *frag)
+                .arg(&rows_i)
+                .arg(&k)
+                .arg(&nt_i)
+                .arg(&split_i);
+            // SAFETY: xs holds `rows` rows of k floats; frag NT · k/32 · 32 uint4 (allocated
+            // for the most n8 tiles a launch takes); the kernel touches no more.
+            unsafe { l.launch(LaunchConfig::for_num_elems(threads))? };
+            let name = shape.kernel_name(nt);
+            let kernel = self
+                .kernels
+                .mma
+                .get(&name)
+                .ok_or_else(|| anyhow!("no kernel {name}"))?;
             let mut ys = y.slice_mut(first * self.n..(first + rows) * self.n);
-            let mut l = stream.launch_builder(&self.kernels.matvec[rows - 1]);
-            l.arg(&self.codes)
-                .arg(&self.scales)
-                .arg(&xs)
-                .arg(&mut ys)
-                .arg(&n)
-                .arg(&k);
-            // SAFETY: the planes hold n rows of k/2 code bytes and k/32 scales, xs `rows`
-            // rows of k floats, ys `rows` rows of n; the kernel reads and writes no more.
+            let mut l = stream.launch_builder(kernel);
+            l.arg(&self.codes).arg(&self.scales).arg(&*frag);
+            l.arg(&mut ys).arg(&rows_i).arg(&n).arg(&k).arg(&split_i);
+            // SAFETY: the planes hold n/16 tiles of k/2 · 16 code bytes and k/32 · 16 scales,
+            // frag the fragments written above, ys `rows` rows of n; the kernel reads and
+            // writes no more.
             unsafe { l.launch(cfg)? };
         }
         Ok(y)
     }
 
-    /// `x · Wᵀ` by matvec launches, whatever the row count.
-    pub fn forward_matvec(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// `x · Wᵀ` on the tensor cores, whatever the row count, launched as `shape` says (the
+    /// model takes [`MmaShape::for_matrix`]).
+    pub fn forward_mma(&self, x: &Tensor, shape: MmaShape) -> candle_core::Result<Tensor> {
+        if !MmaShape::all().contains(&shape) {
+            candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
+        }
         let (m, out_dims) = self.shapes(x)?;
         if m == 0 {
             return Tensor::zeros(out_dims, DType::F32, x.device());
@@ -264,7 +317,7 @@ impl Q4Matrix {
             candle_core::bail!("a CUDA matrix given a {:?} input", x.device().location());
         };
         let y = self
-            .matvec(s.as_cuda_slice::<f32>()?, layout.start_offset(), m)
+            .mma(s.as_cuda_slice::<f32>()?, layout.start_offset(), m, shape)
             .map_err(candle_error)?;
         Ok(wrap(&self.kernels.device, y, &out_dims))
     }
@@ -294,14 +347,19 @@ impl Q4Matrix {
     /// The matrix as bf16 `(n, k)`, for a GEMM.
     pub fn to_bf16(&self) -> anyhow::Result<Tensor> {
         let stream = self.kernels.device.cuda_stream();
-        let lanes = self.n * self.k / Q4_0_BLOCK;
+        // A 16-byte load of the code plane holds 32 weights.
+        let loads = self.n * self.k / 32;
         // SAFETY: the kernel writes every element before anything reads it.
         let mut w = unsafe { stream.alloc::<half::bf16>(self.n * self.k)? };
-        let cfg = LaunchConfig::for_num_elems(lanes.min(1 << 22) as u32);
-        let count = lanes as i64;
+        let cfg = LaunchConfig::for_num_elems(loads.min(1 << 22) as u32);
+        let (k, count) = (self.k as i32, loads as i64);
         let mut l = stream.launch_builder(&self.kernels.to_bf16);
-        l.arg(&self.codes).arg(&self.scales).arg(&mut w).arg(&count);
-        // SAFETY: `lanes` lanes of 16 code bytes (and their tiles' scales) in, 32 bf16 each out.
+        l.arg(&self.codes)
+            .arg(&self.scales)
+            .arg(&mut w)
+            .arg(&k)
+            .arg(&count);
+        // SAFETY: `loads` loads of 16 code bytes (and their scales) in, 32 bf16 each out.
         unsafe { l.launch(cfg)? };
         Ok(wrap(&self.kernels.device, w, &[self.n, self.k]))
     }
@@ -332,10 +390,10 @@ impl DeviceMatrix for Q4Matrix {
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let m = x.elem_count() / self.k.max(1);
-        match &self.candle {
-            _ if m >= GEMM_FROM => self.forward_gemm(x),
-            Some(candle) if m > MATVEC_UP_TO => candle_core::Module::forward(candle, x),
-            _ => self.forward_matvec(x),
+        if m >= GEMM_FROM {
+            self.forward_gemm(x)
+        } else {
+            self.forward_mma(x, MmaShape::for_matrix(self.n))
         }
     }
     fn as_any(&self) -> &dyn Any {

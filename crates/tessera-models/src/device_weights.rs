@@ -1,5 +1,5 @@
 //! Device weights: the hook through which a GPU backend keeps quantized weight matrices in
-//! its own layout and runs their matmuls (a matvec at the memory floor for decode steps, a
+//! its own layout and runs their matmuls (a matmul near the memory floor for decode steps, a
 //! dequantize-and-GEMM for prefill chunks). tessera-models defines the interface and stays
 //! CPU-only; tessera-kernels (feature `cuda`) implements it and is installed once per process
 //! with [`install`]. A matrix the backend does not take stays with candle's quantized matmul.
