@@ -30,6 +30,11 @@
 #           them per step); NCU_DEPTH context first, NCU_SKIP launches unprofiled
 #   weights weights-bench: tessera's Q4_0 matvec / bf16-GEMM path against an f64 reference
 #           and candle's, then every matmul of one 8B forward timed, ours and candle's
+#   wvariants  weights-bench variants: weights.cu's build choices (and the host's input split)
+#           checked against the f64 reference and timed per kind of matrix (WVARIANTS: more
+#           --variant=NAME=V,… flags)
+#   wprofile  weights-bench profile under Nsight Compute (--set full): the tensor-core
+#           launches of an output and a down matrix at 1 and 8 rows, in $OUT/weights-profile.txt
 #   e2eweights  the synthetic Llama-3-8B with tessera's weight kernels and with candle's
 #           (--candle-weights), in turn: tessera bench for each E2EW_RUNS "BATCH:DEPTH"
 #           (default "1:0 1:32768 16:32768"), --kv E2EW_KV (affine:4)
@@ -110,6 +115,12 @@ for step in "$@"; do
         done; done
       done ;;
     weights) log weights; $B/weights-bench 2>&1 | tee $OUT/weights-bench.txt ;;
+    wprofile)
+      # Nsight Compute's full set on the model's launches for the output and a down matrix at
+      # 1 and 8 rows (weights-bench profile).
+      log wprofile; ncu --set full -k regex:q4_0_mma --clock-control none $B/weights-bench profile 2>&1 \
+        | tee $OUT/weights-profile.txt | grep -E "q4_0_mma|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Warp Cycles|Issue|Duration|Block Limit|L1/TEX Hit|L2 Hit|Eligible|Executed Ipc" ;;
+    wvariants) log wvariants; $B/weights-bench variants ${WVARIANTS:-} 2>&1 | tee $OUT/weights-variants.txt ;;
     e2eweights)
       log e2eweights; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
       for run in ${E2EW_RUNS:-1:0 1:32768 16:32768}; do set -- ${run/:/ }

@@ -7,8 +7,9 @@
 // lane (g = lane / 4, t = lane % 4) takes, of each block, the weights at positions
 // 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3, which are exactly the file's code word t (bytes
 // 4t .. 4t + 3, low nibbles the first four, high nibbles the second). With the 1024
-// exponent trick a masked word becomes two f16 codes (1024 + c); subtracting 1032 gives
-// c − 8 exactly. Slot pairs (2t, 2t+1) and (2t+8, 2t+9) of mma 0 hold positions
+// exponent trick a masked word becomes two f16 codes (1024 + c, or 1024 + 16c for the
+// nibbles at bits 4–7), one f16x2 subtract (or fma of 1/16) gives c − 8 exactly: two
+// instructions a pair of codes, which at one input row is what bounds the kernel. Slot pairs (2t, 2t+1) and (2t+8, 2t+9) of mma 0 hold positions
 // (4t, 4t+2) and (4t+1, 4t+3); mma 1's slots hold 16 + those positions (the high nibbles).
 //
 // Q4_0 planes, for n rows (a multiple of 16) × k columns (a multiple of 256):
@@ -19,12 +20,26 @@
 //          rows g and g + 8 at 2i and 2i + 1 (two 16-byte loads a lane per octet).
 // lib.rs's `q4_0_planes` writes this layout from the file's blocks.
 //
-// Inputs: `q4_0_inputs` turns f32 rows into B fragments once per matmul. Up to 16 rows (a
-// decode step), each input row is split into an f16 high part and an f16 residual (x − hi)
+// Inputs: `q4_0_inputs` turns f32 rows into B fragments once per matmul. Up to SPLIT_UP_TO
+// rows (weights.rs; 8, a decode step), each input row is split into an f16 high part and an f16 residual (x − hi)
 // in two adjacent columns, so the product carries ~22 bits of x (f32-like) rather than f16's
 // 11; the output adds the two columns. Above, rows enter as f16, 32 a launch (NT = 4 n8
 // tiles either way).
 // No CUDA headers: f16 and bf16 are converted by hand, so NVRTC needs no include path.
+
+// Build choices (weights-bench's `variants` compiles others and times them; NOTES.md keeps
+// the ones that lost: an L2 prefetch of the block's tiles, one register set instead of two):
+//   B_AHEAD    1: with one n8 tile, an octet's B fragments are loaded with its codes (one
+//              octet ahead, 32 registers a set); 0: at their use, like wider launches'.
+//   MIN_WARPS  the launch bounds ask for MIN_WARPS / W blocks an SM: at 12 the compiler
+//              hoists loads further (more registers where the bound allows) and 8–32-row
+//              launches ran 10–20% faster on the H200; 0 leaves it free.
+#ifndef B_AHEAD
+#define B_AHEAD 1
+#endif
+#ifndef MIN_WARPS
+#define MIN_WARPS 12
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -46,12 +61,28 @@ __device__ __forceinline__ u32 word_of(const uint4& c, int t) {
     return t == 0 ? c.x : t == 1 ? c.y : t == 2 ? c.z : c.w;
 }
 
-// Two codes at bits `shift` and `shift + 16` of `w` as f16 (c − 8): one shift, one
-// mask-or (LOP3), one f16x2 subtract, all exact.
-__device__ __forceinline__ u32 codes_f16(u32 w, int shift) {
-    const u32 v = ((w >> shift) & 0x000F000Fu) | 0x64006400u; // 1024 + c
+// (a & b) | c in one LOP3 (the compiler's own code spends two on two constants).
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
     u32 r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64086408u)); // − 1032
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// The codes at bits 0–3 and 16–19 of `w` as f16 (c − 8): one LOP3 makes 1024 + c under
+// the 0x6400 exponent, one f16x2 subtract of 1032. Exact.
+__device__ __forceinline__ u32 low_codes(u32 w) {
+    const u32 v = and_or(w, 0x000F000Fu, 0x64006400u);
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x64086408u));
+    return r;
+}
+
+// The codes at bits 4–7 and 20–23 of `w`, unshifted: one LOP3 makes 1024 + 16c, one f16x2
+// fma of 1/16 and −72 gives c − 8 (64 + c is exact, so is the sum).
+__device__ __forceinline__ u32 high_codes(u32 w) {
+    const u32 v = and_or(w, 0x00F000F0u, 0x64006400u);
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x2C002C00u), "r"(0xD480D480u));
     return r;
 }
 
@@ -96,38 +127,30 @@ extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __res
     frag[i] = out;
 }
 
-// A lane's B fragment of block b for one n8 tile, loaded only where its column is one of the
-// `live` columns holding input (at m = 1 with split inputs, eight lanes of 32), zero
-// elsewhere: a predicated load, so the octet's loads still issue together.
-__device__ __forceinline__ uint4 fragment(const uint4* __restrict__ frag, int b, int live,
-                                          int lane) {
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if ((lane >> 2) < live) v = __ldg(frag + (size_t)b * 32 + lane);
-    return v;
-}
-
 // One octet's loads for RT tiles: a lane's 4 code loads and 2 scale loads per tile, and
 // with one n8 tile (up to 4 input rows) the octet's 8 B fragments too.
 template <int NT, int RT>
 struct Octet {
-    uint4 c[RT][4], s[RT][2], bf[NT == 1 ? 8 : 1];
+    uint4 c[RT][4], s[RT][2], bf[NT == 1 && B_AHEAD ? 8 : 1];
 };
 
 template <int NT, int RT>
 __device__ __forceinline__ void load_octet(Octet<NT, RT>& q, const uint4* const (&cbase)[RT],
                                            const uint4* const (&sbase)[RT],
-                                           const uint4* __restrict__ frag, int o, int kb,
-                                           int live, int lane) {
+                                           const uint4* __restrict__ frag, int o, int src) {
 #pragma unroll
     for (int r = 0; r < RT; r++) {
+        const uint4* c = cbase[r] + (size_t)o * 128; // the octet's 4 loads, 512 bytes apart
 #pragma unroll
-        for (int p = 0; p < 4; p++) q.c[r][p] = __ldg(cbase[r] + (o * 4 + p) * 32);
-        q.s[r][0] = __ldg(sbase[r] + o * 16);
-        q.s[r][1] = __ldg(sbase[r] + o * 16 + 1);
+        for (int p = 0; p < 4; p++) q.c[r][p] = __ldg(c + p * 32);
+        const uint4* sc = sbase[r] + (size_t)o * 16;
+        q.s[r][0] = __ldg(sc);
+        q.s[r][1] = __ldg(sc + 1);
     }
-    if (NT == 1) {
+    if (NT == 1 && B_AHEAD) {
+        const uint4* f = frag + (size_t)o * 256 + src; // the octet's 8 blocks, 512 bytes apart
 #pragma unroll
-        for (int i = 0; i < 8; i++) q.bf[i] = fragment(frag, o * 8 + i, live, lane);
+        for (int i = 0; i < 8; i++) q.bf[i] = __ldg(f + i * 32);
     }
 }
 
@@ -137,21 +160,22 @@ template <int NT, int RT>
 __device__ __forceinline__ void mma_octet(float (&acc)[RT][NT][4], const Octet<NT, RT>& q,
                                           const uint4* __restrict__ frag, int o, int kb,
                                           int lane) {
+    const uint4* f = frag + (size_t)o * 256 + lane; // block 8o's fragment of n8 tile 0
 #pragma unroll
     for (int i = 0; i < 8; i++) { // the octet's blocks
-        const int b = o * 8 + i;
         uint4 bf[NT];
 #pragma unroll
         for (int j = 0; j < NT; j++)
-            bf[j] = NT == 1 ? q.bf[i] : __ldg(frag + ((size_t)j * kb + b) * 32 + lane);
+            bf[j] = NT == 1 && B_AHEAD ? q.bf[B_AHEAD ? i : 0]
+                                       : __ldg(f + (size_t)j * kb * 32 + i * 32);
 #pragma unroll
         for (int r = 0; r < RT; r++) {
             const uint4& cw = q.c[r][i >> 1];
             const u32 w0 = (i & 1) ? cw.z : cw.x, w8 = (i & 1) ? cw.w : cw.y; // rows g, g+8
-            const u32 a0 = codes_f16(w0, 0), a2 = codes_f16(w0, 8);
-            const u32 a1 = codes_f16(w8, 0), a3 = codes_f16(w8, 8);
-            const u32 h0 = codes_f16(w0, 4), h2 = codes_f16(w0, 12);
-            const u32 h1 = codes_f16(w8, 4), h3 = codes_f16(w8, 12);
+            const u32 a0 = low_codes(w0), a2 = low_codes(w0 >> 8);
+            const u32 a1 = low_codes(w8), a3 = low_codes(w8 >> 8);
+            const u32 h0 = high_codes(w0), h2 = high_codes(w0 >> 8);
+            const u32 h1 = high_codes(w8), h3 = high_codes(w8 >> 8);
             const u32 dw = word_of(q.s[r][i >> 2], i & 3);
             const float d0 = f16_to_f32((u16)(dw & 0xFFFF)), d8 = f16_to_f32((u16)(dw >> 16));
 #pragma unroll
@@ -178,8 +202,11 @@ template <int NT, int RT, int W>
 __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restrict__ scales,
                          const uint4* __restrict__ frag, float* __restrict__ y, int m, int n,
                          int k, int split) {
-    const int live = split ? 2 * m : m; // columns holding input
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // With one n8 tile, lanes whose column holds no input all read lane 31's zero fragment
+    // (column 7 is empty whenever any is), so a load costs the live lanes' bytes and one
+    // sector.
+    const int src = (lane >> 2) < (split ? 2 * m : m) ? lane : 31;
     const int g = lane >> 2, t = lane & 3;
     const int octets = k >> 8, kb = k >> 5;
     const int tile0 = blockIdx.x * RT;
@@ -201,13 +228,13 @@ __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restric
 
     Octet<NT, RT> qa, qb;
     int o = warp;
-    if (o < octets) load_octet<NT, RT>(qa, cbase, sbase, frag, o, kb, live, lane);
+    if (o < octets) load_octet<NT, RT>(qa, cbase, sbase, frag, o, src);
     while (o < octets) {
-        if (o + W < octets) load_octet<NT, RT>(qb, cbase, sbase, frag, o + W, kb, live, lane);
+        if (o + W < octets) load_octet<NT, RT>(qb, cbase, sbase, frag, o + W, src);
         mma_octet<NT, RT>(acc, qa, frag, o, kb, lane);
         o += W;
         if (o >= octets) break;
-        if (o + W < octets) load_octet<NT, RT>(qa, cbase, sbase, frag, o + W, kb, live, lane);
+        if (o + W < octets) load_octet<NT, RT>(qa, cbase, sbase, frag, o + W, src);
         mma_octet<NT, RT>(acc, qb, frag, o, kb, lane);
         o += W;
     }
@@ -240,7 +267,8 @@ __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restric
 // Kernels by n8 tiles (4, 8 or 16 input rows), 16-row tiles a block and warps a block
 // (weights.rs picks).
 #define MMA_KERNEL(NT, RT, W)                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * W) q4_0_mma_##NT##_##RT##_##W(         \
+    extern "C" __global__ void __launch_bounds__(32 * W, MIN_WARPS / W)                     \
+        q4_0_mma_##NT##_##RT##_##W(                                                          \
         const uint4* codes, const uint4* scales, const uint4* frag, float* y, int m, int n,  \
         int k, int split) {                                                                  \
         q4_0_mma<NT, RT, W>(codes, scales, frag, y, m, n, k, split);                         \

@@ -18,13 +18,13 @@ use candle_core::op::BackpropOp;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use std::any::Any;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tessera_models::device_weights::{DeviceMatrix, WeightBackend};
 
 /// Most input rows whose launches split each row into an f16 high part and residual (f32-like
-/// products, 16 a launch); more rows enter as f16, 32 a launch.
-pub const SPLIT_UP_TO: usize = 16;
+/// products, 1–2e-7); more rows enter as f16 (≤ 2e-4), 32 a launch. At 9–16 rows the split
+/// cost 1.7× the time of f16 inputs (twice the n8 tiles) on the H200 (weights-bench variants).
+pub const SPLIT_UP_TO: usize = 8;
 /// Input rows from which the matrix is dequantized to bf16 for a GEMM (prefill chunks).
 pub const GEMM_FROM: usize = 256;
 /// Input rows a launch takes: 4 n8 tiles of split (two-column) or plain rows.
@@ -72,7 +72,30 @@ impl MmaShape {
     fn kernel_name(&self, nt: usize) -> String {
         format!("q4_0_mma_{nt}_{}_{}", self.tiles, self.warps)
     }
+
+    /// Where the kernel for this shape and `nt` n8 tiles sits in [`Kernels::mma`]
+    /// (shapes in [`MmaShape::all`]'s order, then n8 tiles 1, 2, 4); `None` where no kernel
+    /// exists.
+    fn kernel_index(&self, nt: usize) -> Option<usize> {
+        let shape = match (self.tiles, self.warps) {
+            (1, 4) => 0,
+            (1, 8) => 1,
+            (2, 4) => 2,
+            (2, 8) => 3,
+            _ => return None,
+        };
+        let tiles = match nt {
+            1 => 0,
+            2 => 1,
+            4 => 2,
+            _ => return None,
+        };
+        Some(shape * N_TILES.len() + tiles)
+    }
 }
+
+/// The n8 tile counts the kernels exist for.
+const N_TILES: [usize; 3] = [1, 2, 4];
 
 impl std::fmt::Display for MmaShape {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -88,10 +111,13 @@ fn candle_error(e: impl std::fmt::Display) -> candle_core::Error {
 
 struct Kernels {
     device: CudaDevice,
-    /// The tensor-core kernels by name (weights.cu's `q4_0_mma_{NT}_{tiles}_{warps}`).
-    mma: HashMap<String, CudaFunction>,
+    /// The tensor-core kernels (weights.cu's `q4_0_mma_{NT}_{tiles}_{warps}`), at
+    /// [`MmaShape::kernel_index`].
+    mma: Vec<CudaFunction>,
     inputs: CudaFunction,
     to_bf16: CudaFunction,
+    /// [`CudaWeights`]'s `split_up_to`.
+    split_up_to: usize,
     /// The B fragments' scratch, shared by every matrix: launches on one stream run in
     /// order, so a matmul's fragments are read before the next one writes them.
     fragments: Mutex<Option<CudaSlice<u32>>>,
@@ -102,13 +128,45 @@ pub fn install() {
     tessera_models::device_weights::install(Box::new(CudaWeights::default()));
 }
 
-#[derive(Default)]
 pub struct CudaWeights {
     /// Built on first use, for the first CUDA device seen.
     kernels: Mutex<Option<Arc<Kernels>>>,
+    /// Lines compiled ahead of weights.cu (`#define` of its build choices); empty for the
+    /// model's kernels.
+    defines: String,
+    /// Most input rows split into high parts and residuals ([`SPLIT_UP_TO`] for the model).
+    split_up_to: usize,
+}
+
+impl Default for CudaWeights {
+    fn default() -> Self {
+        CudaWeights::with_choices("", SPLIT_UP_TO)
+    }
 }
 
 impl CudaWeights {
+    /// A backend whose kernels are compiled with `defines` (lines such as
+    /// `#define L2_PREFETCH 2`) ahead of weights.cu, splitting inputs up to `split_up_to`
+    /// rows: weights-bench times the build choices weights.cu lists this way.
+    pub fn with_choices(defines: &str, split_up_to: usize) -> Self {
+        CudaWeights {
+            kernels: Mutex::new(None),
+            defines: defines.to_string(),
+            split_up_to,
+        }
+    }
+
+    /// `m` for this backend's kernels, sharing its planes on the device.
+    pub fn rebind(&self, device: &CudaDevice, m: &Q4Matrix) -> anyhow::Result<Q4Matrix> {
+        Ok(Q4Matrix {
+            codes: m.codes.clone(),
+            scales: m.scales.clone(),
+            n: m.n,
+            k: m.k,
+            kernels: self.kernels(device)?,
+        })
+    }
+
     fn kernels(&self, device: &CudaDevice) -> anyhow::Result<Arc<Kernels>> {
         let mut slot = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = slot.as_ref() {
@@ -119,18 +177,20 @@ impl CudaWeights {
                 "the CUDA weight backend serves one device per process"
             ));
         }
+        let source = format!("{}\n{WEIGHTS_CU}", self.defines);
         let module =
-            compile_source(device.cuda_stream().context(), WEIGHTS_CU).context("weights.cu")?;
+            compile_source(device.cuda_stream().context(), &source).context("weights.cu")?;
         let mma = MmaShape::all()
             .iter()
-            .flat_map(|shape| [1, 2, 4].map(|nt| shape.kernel_name(nt)))
-            .map(|name| Ok((name.clone(), module.load_function(&name)?)))
-            .collect::<anyhow::Result<HashMap<_, _>>>()?;
+            .flat_map(|shape| N_TILES.map(|nt| shape.kernel_name(nt)))
+            .map(|name| Ok(module.load_function(&name)?))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let k = Arc::new(Kernels {
             device: device.clone(),
             mma,
             inputs: module.load_function("q4_0_inputs")?,
             to_bf16: module.load_function("q4_0_to_bf16")?,
+            split_up_to: self.split_up_to,
             fragments: Mutex::new(None),
         });
         *slot = Some(k.clone());
@@ -149,8 +209,8 @@ impl CudaWeights {
         let kernels = self.kernels(device)?;
         let stream = device.cuda_stream();
         Ok(Q4Matrix {
-            codes: stream.clone_htod(&codes)?,
-            scales: stream.clone_htod(&scales)?,
+            codes: Arc::new(stream.clone_htod(&codes)?),
+            scales: Arc::new(stream.clone_htod(&scales)?),
             n,
             k,
             kernels,
@@ -205,16 +265,18 @@ impl WeightBackend for CudaWeights {
         let mut row = 0;
         for m in &q4 {
             let mut c = codes.slice_mut(row * row_codes..(row + m.n) * row_codes);
-            stream.memcpy_dtod(&m.codes, &mut c).map_err(candle_error)?;
+            stream
+                .memcpy_dtod(m.codes.as_ref(), &mut c)
+                .map_err(candle_error)?;
             let mut s = scales.slice_mut(row * row_scales..(row + m.n) * row_scales);
             stream
-                .memcpy_dtod(&m.scales, &mut s)
+                .memcpy_dtod(m.scales.as_ref(), &mut s)
                 .map_err(candle_error)?;
             row += m.n;
         }
         Ok(Some(Box::new(Q4Matrix {
-            codes,
-            scales,
+            codes: Arc::new(codes),
+            scales: Arc::new(scales),
             n,
             k: first.k,
             kernels: first.kernels.clone(),
@@ -224,8 +286,9 @@ impl WeightBackend for CudaWeights {
 
 /// A Q4_0 matrix in our planes (weights.cu's layout).
 pub struct Q4Matrix {
-    codes: CudaSlice<u8>,
-    scales: CudaSlice<u16>,
+    /// Shared with the same matrix bound to other kernels ([`CudaWeights::rebind`]).
+    codes: Arc<CudaSlice<u8>>,
+    scales: Arc<CudaSlice<u16>>,
     n: usize,
     k: usize,
     kernels: Arc<Kernels>,
@@ -233,7 +296,7 @@ pub struct Q4Matrix {
 
 impl Q4Matrix {
     /// `y = x · Wᵀ` for `m` rows of f32 `x` (starting at `offset`), by tensor-core launches
-    /// (rows split into high parts and residuals up to [`SPLIT_UP_TO`] rows).
+    /// (rows split into high parts and residuals up to the backend's `split_up_to` rows).
     fn mma(
         &self,
         x: &CudaSlice<f32>,
@@ -245,7 +308,7 @@ impl Q4Matrix {
         // SAFETY: the launches below write every element before anything reads it.
         let mut y = unsafe { stream.alloc::<f32>(m * self.n)? };
         let (n, k) = (self.n as i32, self.k as i32);
-        let split = m <= SPLIT_UP_TO;
+        let split = m <= self.kernels.split_up_to;
         let per_launch = rows_per_launch(split);
         let words = n_tiles(m.min(per_launch), split) * self.k * 4;
         let mut scratch = self
@@ -283,15 +346,15 @@ impl Q4Matrix {
             // SAFETY: xs holds `rows` rows of k floats; frag NT · k/32 · 32 uint4 (allocated
             // for the most n8 tiles a launch takes); the kernel touches no more.
             unsafe { l.launch(LaunchConfig::for_num_elems(threads))? };
-            let name = shape.kernel_name(nt);
-            let kernel = self
-                .kernels
-                .mma
-                .get(&name)
-                .ok_or_else(|| anyhow!("no kernel {name}"))?;
+            let kernel = shape
+                .kernel_index(nt)
+                .and_then(|i| self.kernels.mma.get(i))
+                .ok_or_else(|| anyhow!("no tensor-core kernel {}", shape.kernel_name(nt)))?;
             let mut ys = y.slice_mut(first * self.n..(first + rows) * self.n);
             let mut l = stream.launch_builder(kernel);
-            l.arg(&self.codes).arg(&self.scales).arg(&*frag);
+            l.arg(self.codes.as_ref())
+                .arg(self.scales.as_ref())
+                .arg(&*frag);
             l.arg(&mut ys).arg(&rows_i).arg(&n).arg(&k).arg(&split_i);
             // SAFETY: the planes hold n/16 tiles of k/2 · 16 code bytes and k/32 · 16 scales,
             // frag the fragments written above, ys `rows` rows of n; the kernel reads and
@@ -304,7 +367,7 @@ impl Q4Matrix {
     /// `x · Wᵀ` on the tensor cores, whatever the row count, launched as `shape` says (the
     /// model takes [`MmaShape::for_matrix`]).
     pub fn forward_mma(&self, x: &Tensor, shape: MmaShape) -> candle_core::Result<Tensor> {
-        if !MmaShape::all().contains(&shape) {
+        if shape.kernel_index(1).is_none() {
             candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
         }
         let (m, out_dims) = self.shapes(x)?;
@@ -354,8 +417,8 @@ impl Q4Matrix {
         let cfg = LaunchConfig::for_num_elems(loads.min(1 << 22) as u32);
         let (k, count) = (self.k as i32, loads as i64);
         let mut l = stream.launch_builder(&self.kernels.to_bf16);
-        l.arg(&self.codes)
-            .arg(&self.scales)
+        l.arg(self.codes.as_ref())
+            .arg(self.scales.as_ref())
             .arg(&mut w)
             .arg(&k)
             .arg(&count);

@@ -1,11 +1,12 @@
 //! Parity and speed of tessera's Q4_0 weight kernels against candle's quantized matmul, in
-//! one device run: `weights-bench [parity] [time] [--plant-failure]` (both by default).
+//! one device run: `weights-bench [parity] [time] [variants] [profile]
+//! [--variant=NAME=V,…] [--plant-failure]` (parity and time by default).
 //! - parity: random Q4_0 matrices (codes uniform, scales in [1e-3, 1e-2]) and random inputs;
 //!   our output, and candle's for information, against a host reference in f64 computed
 //!   from the file's block definition (x = d · (q − 8)). Both paths at every row count:
-//!   tensor-core launches (every block shape) must stay under 1e-6 relative up to 16 rows
-//!   (inputs split into f16 high parts and residuals) and 1e-3 above (f16 inputs), the bf16
-//!   GEMM under 1e-2;
+//!   tensor-core launches (every block shape) must stay under 1e-6 relative up to
+//!   `SPLIT_UP_TO` rows (inputs split into f16 high parts and residuals) and 1e-3 above (f16
+//!   inputs), the bf16 GEMM under 1e-2;
 //!   stacking; shapes the layout does not take are refused.
 //!   The last line is "weights-bench: N passed, M failed"; the exit status is 1 on a miss.
 //!   `--plant-failure` perturbs the first output compared, to show a miss fails the run.
@@ -14,6 +15,13 @@
 //!   of Q4_0, for m = 1..512 input rows: median ms of a whole pass by our tensor-core
 //!   launches (every block shape, and the model's choice), by our bf16 GEMM, and by candle,
 //!   and the GB/s the weights stream at; for 1, 8 and 16 rows, each kind of matrix alone.
+//! - variants: weights.cu's build choices (B_AHEAD, MIN_WARPS, any `#define`) and the host's
+//!   SPLIT_UP_TO, each `--variant=NAME=V,NAME=V` (the flags replace the default list):
+//!   parity against the f64 reference on two shapes through the model's entry point (a miss
+//!   fails the run), then its launches timed per kind of matrix and for the whole forward at
+//!   1, 4, 8, 16 and 32 rows.
+//! - profile: one model's-path matmul of the output and a down matrix at 1 and 8 rows, for
+//!   a profiler (device-run.sh `wprofile`).
 
 use anyhow::{anyhow, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
@@ -154,7 +162,7 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
             let want = reference_out(&rows, &x, k);
             let xt = Tensor::from_vec(x, (1, m, k), device)?;
             let theirs = candle.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
-            // Up to 16 rows the inputs enter split (f32-like), above as f16.
+            // Up to SPLIT_UP_TO rows the inputs enter split (f32-like), above as f16.
             let tol = if m <= SPLIT_UP_TO { 1e-6 } else { 1e-3 };
             for shape in MmaShape::all() {
                 let got = ours
@@ -188,7 +196,13 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
         .matrix(&qtensor(&bytes, n, k, device)?)?
         .ok_or_else(|| anyhow!("the backend refused a Q4_0 matrix"))?;
     let rows: Vec<Vec<f64>> = (0..n).map(|j| reference_row(&bytes, k, j)).collect();
-    for (m, tol) in [(1, 1e-6), (16, 1e-6), (100, 1e-3), (300, 1e-2)] {
+    for (m, tol) in [
+        (1, 1e-6),
+        (SPLIT_UP_TO, 1e-6),
+        (16, 1e-3),
+        (100, 1e-3),
+        (300, 1e-2),
+    ] {
         let x = inputs(&mut rng, m * k);
         let want = reference_out(&rows, &x, k);
         let xt = Tensor::from_vec(x, (m, k), device)?;
@@ -258,10 +272,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn time(device: &Device, backend: &CudaWeights) -> Result<()> {
     let mut rng = Rng(11);
-    let shapes: Vec<(usize, usize)> = (0..32)
-        .flat_map(|_| [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-        .chain([(128256, 4096)])
-        .collect();
+    let shapes = forward_shapes();
     let mut ours: Vec<Q4Matrix> = Vec::new();
     let mut theirs = Vec::new();
     let mut bytes_total = 0usize;
@@ -368,9 +379,148 @@ fn time(device: &Device, backend: &CudaWeights) -> Result<()> {
     Ok(())
 }
 
+/// The forward's matrices: 32 layers of q|k|v, o, gate|up and down, then the output.
+fn forward_shapes() -> Vec<(usize, usize)> {
+    (0..32)
+        .flat_map(|_| [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+        .chain([(128256, 4096)])
+        .collect()
+}
+
+/// `NAME=V,NAME=V` as a backend: SPLIT_UP_TO=N the host's split, the rest `#define` lines.
+fn backend_of(variant: &str) -> Result<(CudaWeights, usize)> {
+    let mut defines = String::new();
+    let mut split = SPLIT_UP_TO;
+    for d in variant.split(',').filter(|d| !d.is_empty()) {
+        match d.split_once('=') {
+            Some(("SPLIT_UP_TO", v)) => split = v.parse()?,
+            Some((name, v)) => defines += &format!("#define {name} {v}\n"),
+            None => return Err(anyhow!("variant {variant:?}: {d:?} is not NAME=VALUE")),
+        }
+    }
+    Ok((CudaWeights::with_choices(&defines, split), split))
+}
+
+/// Each build choice of weights.cu in `list`: parity through the model's entry point, then
+/// time per kind of matrix (µs a launch) and for the whole forward.
+fn variants(device: &Device, list: &[String], tally: &mut Tally) -> Result<()> {
+    let dev = cuda(device)?;
+    let shapes = forward_shapes();
+    let mut rng = Rng(13);
+    let base = CudaWeights::default();
+    let mut mats = Vec::new();
+    for &(n, k) in &shapes {
+        mats.push(base.q4_0(dev, &q4_0_bytes(n, k, &mut rng), n, k)?);
+    }
+    let bytes_total: usize = shapes.iter().map(|(n, k)| n * k / 32 * 18).sum();
+    // Parity shapes: a ragged grid of 4096 columns, and 1536 (six octets over four warps).
+    let checks: Vec<(usize, usize, Vec<u8>)> = [(1008, 4096), (256, 1536)]
+        .into_iter()
+        .map(|(n, k)| (n, k, q4_0_bytes(n, k, &mut rng)))
+        .collect();
+    let reference: Vec<Vec<Vec<f64>>> = checks
+        .iter()
+        .map(|(n, k, b)| (0..*n).map(|j| reference_row(b, *k, j)).collect())
+        .collect();
+    let rows_list = [1usize, 4, 8, 16, 32];
+    let xs = rows_list
+        .iter()
+        .map(|&m| {
+            Ok([
+                Tensor::randn(0f32, 1.0, (1, m, 4096), device)?,
+                Tensor::randn(0f32, 1.0, (1, m, 14336), device)?,
+            ])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let kinds = [
+        (6144, 4096),
+        (4096, 4096),
+        (28672, 4096),
+        (4096, 14336),
+        (128256, 4096),
+    ];
+    println!("| variant | rows | q|k|v µs | o µs | gate|up µs | down µs | output µs | forward ms | GB/s |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for variant in list {
+        let name = if variant.is_empty() {
+            "(as built)"
+        } else {
+            variant.as_str()
+        };
+        let (backend, split) = backend_of(variant)?;
+        for ((n, k, bytes), rows) in checks.iter().zip(&reference) {
+            let ours = backend.q4_0(dev, bytes, *n, *k)?;
+            for m in [1usize, 3, 8, 16, 17, 40] {
+                let x = inputs(&mut rng, m * k);
+                let want = reference_out(rows, &x, *k);
+                let xt = Tensor::from_vec(x, (1, m, *k), device)?;
+                let got = ours.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+                let tol = if m <= split { 1e-6 } else { 1e-3 };
+                let same = got.clone();
+                check(
+                    tally,
+                    &format!("{name} {n}×{k} m={m}"),
+                    got,
+                    &want,
+                    &same,
+                    tol,
+                );
+            }
+        }
+        let bound = mats
+            .iter()
+            .map(|m| backend.rebind(dev, m))
+            .collect::<Result<Vec<_>>>()?;
+        for (x, m) in xs.iter().zip(rows_list) {
+            let pass = |which: &dyn Fn(usize) -> bool| -> Result<f64> {
+                let mut t = Vec::new();
+                for rep in 0..22 {
+                    device.synchronize()?;
+                    let start = Instant::now();
+                    for (i, &(_, k)) in shapes.iter().enumerate() {
+                        if which(i) {
+                            bound[i].forward(&x[usize::from(k != 4096)])?;
+                        }
+                    }
+                    device.synchronize()?;
+                    if rep >= 2 {
+                        t.push(start.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+                Ok(median(t))
+            };
+            let mut row = format!("| {name} | {m} |");
+            for shape in kinds {
+                let count = shapes.iter().filter(|s| **s == shape).count();
+                let ms = pass(&|i| shapes[i] == shape)?;
+                row += &format!(" {:.1} |", ms * 1e3 / count as f64);
+            }
+            let ms = pass(&|_| true)?;
+            println!("{row} {ms:.3} | {:.0} |", bytes_total as f64 / ms / 1e6);
+        }
+    }
+    Ok(())
+}
+
+/// For a profiler: the output matrix (128256×4096) and a down matrix (4096×14336), one
+/// model's-path matmul each at 1 and 8 rows, nothing else launched on our kernels.
+fn profile(device: &Device, backend: &CudaWeights) -> Result<()> {
+    let mut rng = Rng(17);
+    for (n, k) in [(128256, 4096), (4096, 14336)] {
+        let m4 = backend.q4_0(cuda(device)?, &q4_0_bytes(n, k, &mut rng), n, k)?;
+        for m in [1usize, 8] {
+            let x = Tensor::randn(0f32, 1.0, (1, m, k), device)?;
+            m4.forward(&x)?;
+            device.synchronize()?;
+            println!("profile: {n}×{k} at {m} row(s)");
+        }
+    }
+    Ok(())
+}
+
 fn run(args: &[String], tally: &mut Tally) -> Result<()> {
     let parts: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
-    let want = |w: &str| parts.is_empty() || parts.iter().any(|a| *a == w);
+    let want = |w: &str| (parts.is_empty() && w != "variants") || parts.iter().any(|a| *a == w);
     let device = Device::new_cuda(0)?;
     let backend = CudaWeights::default();
     if want("parity") {
@@ -380,6 +530,25 @@ fn run(args: &[String], tally: &mut Tally) -> Result<()> {
     }
     if want("time") {
         time(&device, &backend)?;
+    }
+    if want("profile") {
+        profile(&device, &backend)?;
+    }
+    if want("variants") {
+        // The build as it is, then each --variant= flag, or by default the choices weights.cu
+        // lists.
+        let flags: Vec<String> = args
+            .iter()
+            .filter_map(|a| a.strip_prefix("--variant=").map(String::from))
+            .collect();
+        let defaults = ["MIN_WARPS=0", "B_AHEAD=0", "SPLIT_UP_TO=16"];
+        let mut list = vec![String::new()];
+        if flags.is_empty() {
+            list.extend(defaults.map(String::from));
+        } else {
+            list.extend(flags);
+        }
+        variants(&device, &list, tally)?;
     }
     Ok(())
 }
@@ -391,7 +560,8 @@ fn main() {
         tally.stopped("weights-bench", format!("{e:#}"));
     }
     // A timing-only run (`time`) has no checks: it passes unless something stopped.
-    let timing_only = !args.iter().any(|a| a == "parity") && args.iter().any(|a| a == "time");
+    let timing_only = !args.iter().any(|a| a == "parity" || a == "variants")
+        && args.iter().any(|a| a == "time" || a == "profile");
     let passed = if timing_only {
         tally.failed == 0
     } else {
