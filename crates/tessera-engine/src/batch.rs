@@ -3,11 +3,13 @@
 //!
 //! `add` queues a validated [`GenerationRequest`]; each `step` decodes one token for every
 //! running row, and then reads one bounded chunk of the oldest admitted request's prompt
-//! into a cache of its own (so running streams keep flowing while a long prompt is read).
-//! A request whose prompt is read samples its first token, and its one-row cache is merged
+//! into a cache of its own (so running streams keep flowing while a long prompt is read);
+//! several whole short prompts waiting together are read in one forward instead, left-padded
+//! to the widest (at most one chunk of tokens in all), so a burst of arrivals costs one
+//! forward rather than one each. A request whose prompt is read samples its first token, and its one-row cache is merged
 //! into the running batch, which it decodes with from the next step (codes copied as stored, for every KV codec); a request that
 //! finishes, or is cancelled, is filtered out at the step that ends it. Rows keep their own
-//! ends, so nothing is padded or recomputed when rows come and go. Admission control: at
+//! ends, so nothing is recomputed when rows come and go. Admission control: at
 //! most `max_batch` running rows, the KV bytes every admitted request may grow to within
 //! `kv_budget` (from the caches' own accounting, so a 4-bit scheme admits more rows), and at
 //! most `max_queue` waiting requests.
@@ -194,9 +196,11 @@ struct Waiting {
 /// the wait for its logits or tokens, and sampling).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BatchTimes {
-    /// Prompt chunks read, and the prompt tokens they held.
+    /// Prompt chunks read, the prompt tokens they held, and the forwards that read them
+    /// (several short prompts may share one).
     pub prefill: Duration,
     pub prefill_tokens: usize,
+    pub prefill_forwards: usize,
     /// Decode steps (plain or speculative), and the row-steps they covered.
     pub decode: Duration,
     pub decode_steps: usize,
@@ -212,6 +216,7 @@ impl BatchTimes {
     pub fn add(&mut self, other: &BatchTimes) {
         self.prefill += other.prefill;
         self.prefill_tokens += other.prefill_tokens;
+        self.prefill_forwards += other.prefill_forwards;
         self.decode += other.decode;
         self.decode_steps += other.decode_steps;
         self.decode_rows += other.decode_rows;
@@ -594,9 +599,172 @@ impl<'m> Batch<'m> {
         let mut events = Vec::new();
         self.drop_cancelled()?;
         self.decode(&mut events)?;
-        self.admit()?;
-        self.prefill_chunk(&mut events)?;
+        if !self.prefill_group(&mut events)? {
+            self.admit()?;
+            self.prefill_chunk(&mut events)?;
+        }
         Ok(events)
+    }
+
+    /// How many waiting prompts, from the front of the queue, can be read together in one
+    /// forward, and the widest of them: each a whole prompt within one chunk, with no
+    /// reusable prefix and no checkpoint to keep, admitted by the row and KV limits, the
+    /// group padded to its widest prompt no more than one chunk of tokens. At least two,
+    /// else `None`: one prompt is read as before.
+    fn group_size(&mut self) -> Option<(usize, usize)> {
+        if self.prefill.is_some() {
+            return None;
+        }
+        let room = self.limits.max_batch.saturating_sub(self.rows.len());
+        let rings = self.layer_costs.iter().any(|(_, window)| window.is_some());
+        let slack = self.round_slack();
+        let reserved = self.kv_bytes_reserved();
+        let (mut take, mut width) = (0, 0);
+        for w in &self.waiting {
+            let len = w.request.prompt.len();
+            let wider = width.max(len);
+            if take == room
+                || w.resumed.is_some()
+                || len == 0
+                || (take + 1) * wider > self.prefill_chunk
+            {
+                break;
+            }
+            if let Some(store) = self.prefixes.as_mut() {
+                if (rings && len > 2 * PREFIX_CHECKPOINT)
+                    || store.lookup(&w.request.prompt, slack).is_some()
+                {
+                    break;
+                }
+            }
+            // Rows hold their padding too: each reserves the group's width.
+            let group_bytes: usize = self
+                .waiting
+                .iter()
+                .take(take + 1)
+                .map(|w| self.kv_bytes_for(wider + w.request.max_tokens))
+                .sum();
+            if self
+                .limits
+                .kv_budget
+                .is_some_and(|b| reserved + group_bytes > b)
+            {
+                break;
+            }
+            (take, width) = (take + 1, wider);
+        }
+        (take >= 2).then_some((take, width))
+    }
+
+    /// Reads several waiting prompts in one forward (see [`Batch::group_size`]): each row
+    /// left-padded to the widest, so every row's last position is its prompt's last token.
+    /// Each samples its first token and joins the running batch. Returns whether it read
+    /// any; on an error the prompts go back to the front of the queue.
+    fn prefill_group(&mut self, events: &mut Vec<Event>) -> Result<bool, EngineError> {
+        let Some((take, width)) = self.group_size() else {
+            return Ok(false);
+        };
+        let pads: Vec<usize> = self
+            .waiting
+            .iter()
+            .take(take)
+            .map(|w| width - w.request.prompt.len())
+            .collect();
+        let mut cache = KvCache::new(&self.model.layer_specs(), &self.scheme, pads.clone())?
+            .with_isa(self.model.isa())
+            .with_round_slack(self.round_slack());
+        if cache.max_append_tokens().is_some_and(|m| m < width) {
+            // The prompts would cross a bf16-first transition: read one at a time.
+            return Ok(false);
+        }
+        let group: Vec<Waiting> = self.waiting.drain(..take).collect();
+        let mut ids = Vec::with_capacity(take * width);
+        for (w, &pad) in group.iter().zip(&pads) {
+            // Padding: read, masked from every real position, never sampled from.
+            ids.extend(std::iter::repeat_n(w.request.prompt[0], pad));
+            ids.extend_from_slice(&w.request.prompt);
+        }
+        let started = Instant::now();
+        let logits = Tensor::from_vec(ids, (take, width), self.model.device())
+            .map_err(EngineError::from)
+            .and_then(|ids| Ok(self.model.forward(&ids, &mut cache, LogitsMode::Last)?))
+            .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?));
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                for w in group.into_iter().rev() {
+                    self.waiting.push_front(w);
+                }
+                return Err(e);
+            }
+        };
+        let vocab = logits.len() / take;
+        self.times.prefill_tokens += width * take - pads.iter().sum::<usize>();
+        self.times.prefill_forwards += 1;
+        let mut joining = Vec::new();
+        let mut left = Vec::new();
+        for (i, w) in group.into_iter().enumerate() {
+            let kv_bytes = self.kv_bytes_for(width + w.request.max_tokens);
+            let mut row = self.new_row(w.id, w.request, 0, kv_bytes);
+            match row.take(&logits[i * vocab..(i + 1) * vocab], self.tokenizer, events) {
+                Some(reason) => {
+                    events.push(row.finished(reason));
+                    left.push((i, row));
+                }
+                None => joining.push((i, row)),
+            }
+        }
+        for (i, row) in &left {
+            let tokens = row.history[..row.prompt_tokens].to_vec();
+            self.leave(row.id, tokens, cache.extract(*i)?)?;
+        }
+        if !joining.is_empty() {
+            if !left.is_empty() {
+                cache.filter(&joining.iter().map(|(i, _)| *i).collect::<Vec<_>>())?;
+            }
+            self.running = Some(match self.running.take() {
+                None => cache,
+                Some(running) => KvCache::merge(vec![running, cache])?,
+            });
+            self.rows.extend(joining.into_iter().map(|(_, row)| row));
+        }
+        self.times.prefill += started.elapsed();
+        Ok(true)
+    }
+
+    /// A request's row once its prompt is read (`cached` of its tokens reused).
+    fn new_row(
+        &self,
+        id: RequestId,
+        request: GenerationRequest,
+        cached: usize,
+        kv_bytes: usize,
+    ) -> Row {
+        let GenerationRequest {
+            prompt,
+            max_tokens,
+            sampler,
+            stop_tokens,
+            stop_strings,
+            logprobs,
+        } = request;
+        Row {
+            id,
+            sampler: Sampler::new(sampler),
+            prompt_tokens: prompt.len(),
+            cached_tokens: cached,
+            history: prompt,
+            produced: 0,
+            max_tokens,
+            stop_tokens,
+            text: self.tokenizer.map(|_| StopText::new(stop_strings)),
+            failure: None,
+            stop_token: None,
+            logprobs,
+            next: 0,
+            kv_bytes,
+            draft_len: DraftLength::new(self.round_slack()),
+        }
     }
 
     /// Starts reading the next waiting prompt when a row and the budget allow.
@@ -676,6 +844,7 @@ impl<'m> Batch<'m> {
         let logits = self.model.forward(&ids, &mut p.cache, LogitsMode::Last)?;
         p.fed += len;
         self.times.prefill_tokens += len;
+        self.times.prefill_forwards += 1;
         if p.checkpoint == Some(p.fed) {
             if let Some(store) = self.prefixes.as_mut() {
                 store.insert(p.request.prompt[..p.fed].to_vec(), p.cache.extract(0)?);
@@ -691,31 +860,7 @@ impl<'m> Batch<'m> {
             return Ok(());
         };
         let logits: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-        let GenerationRequest {
-            prompt,
-            max_tokens,
-            sampler,
-            stop_tokens,
-            stop_strings,
-            logprobs,
-        } = p.request;
-        let mut row = Row {
-            id: p.id,
-            sampler: Sampler::new(sampler),
-            prompt_tokens: prompt.len(),
-            cached_tokens: p.cached,
-            history: prompt,
-            produced: 0,
-            max_tokens,
-            stop_tokens,
-            text: self.tokenizer.map(|_| StopText::new(stop_strings)),
-            failure: None,
-            stop_token: None,
-            logprobs,
-            next: 0,
-            kv_bytes: p.kv_bytes,
-            draft_len: DraftLength::new(self.round_slack()),
-        };
+        let mut row = self.new_row(p.id, p.request, p.cached, p.kv_bytes);
         let first = row.take(&logits, self.tokenizer, events);
         self.times.prefill += started.elapsed();
         if let Some(reason) = first {

@@ -518,3 +518,86 @@ fn stop_strings_end_a_request_which_reports_its_reused_prefix() {
     }
     assert_eq!(batch.running(), 0, "the row left the batch");
 }
+
+#[test]
+fn waiting_short_prompts_are_read_in_one_forward_and_equal_each_run_alone() {
+    let (model, tok) = common::load_f32_weights();
+    let corpus: Vec<char> = common::corpus().chars().collect();
+    let prompts: Vec<Vec<u32>> = [(100, 40), (7000, 25), (12000, 48), (16000, 35), (26000, 50)]
+        .iter()
+        .map(|&(at, len)| {
+            tok.encode(&corpus[at..at + len].iter().collect::<String>(), true)
+                .unwrap()
+        })
+        .collect();
+    let widest = prompts[..4].iter().map(Vec::len).max().unwrap();
+    assert!(
+        4 * widest <= CHUNK,
+        "the first four fit one chunk padded ({widest} wide)"
+    );
+    assert!(
+        prompts[..4].iter().any(|p| p.len() != widest),
+        "some rows are padded"
+    );
+    // Request 1 ends at its first token (it leaves from the group); request 2 samples.
+    let max_tokens = [7, 1, 9, 5, 6];
+    for kv in ["bf16", "affine:4", "turbo:4"] {
+        let scheme = KvScheme::parse(kv).unwrap();
+        let requests: Vec<GenerationRequest> = prompts
+            .iter()
+            .zip(max_tokens)
+            .enumerate()
+            .map(|(i, (p, m))| GenerationRequest {
+                prompt: p.clone(),
+                max_tokens: m,
+                sampler: if i == 2 {
+                    SamplerConfig {
+                        temperature: 0.9,
+                        top_k: Some(40),
+                        seed: 11,
+                        ..SamplerConfig::default()
+                    }
+                } else {
+                    SamplerConfig::default()
+                },
+                stop_tokens: vec![],
+                logprobs: None,
+                stop_strings: Vec::new(),
+            })
+            .collect();
+        let limits = BatchLimits {
+            max_batch: 4,
+            kv_budget: None,
+            max_queue: 8,
+        };
+        let mut batch = Batch::new(&model, &scheme, CHUNK, limits).unwrap();
+        let ids: Vec<RequestId> = requests
+            .iter()
+            .map(|r| batch.add(r.clone()).unwrap())
+            .collect();
+        let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
+        let mut steps = 0;
+        while !batch.is_idle() {
+            for event in batch.step().unwrap() {
+                match event {
+                    Event::Token { id, token, .. } => tokens.entry(id).or_default().push(token),
+                    Event::Failed { message, .. } => panic!("{kv}: a request failed: {message}"),
+                    Event::Finished { .. } => {}
+                }
+            }
+            if steps == 0 {
+                // The first step read the four admitted prompts in one forward; the fifth
+                // waits for a row.
+                assert_eq!(batch.times().prefill_forwards, 1, "{kv}");
+                assert_eq!(batch.running(), 3, "{kv}: request 1 already finished");
+                assert_eq!(batch.waiting(), 1, "{kv}");
+            }
+            steps += 1;
+            assert!(steps < 200, "{kv}: the batch does not finish");
+        }
+        for (i, r) in requests.iter().enumerate() {
+            let want = alone(&model, &scheme, &r.prompt, r.max_tokens, r.sampler.clone());
+            assert_eq!(tokens[&ids[i]], want, "{kv}: request {i}");
+        }
+    }
+}

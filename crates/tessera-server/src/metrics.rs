@@ -333,6 +333,11 @@ impl Metrics {
                 t.prefill_tokens,
             ),
             (
+                "tessera_prefill_forwards_total",
+                "Forwards that read prompt tokens (several short prompts may share one).",
+                t.prefill_forwards,
+            ),
+            (
                 "tessera_decode_steps_total",
                 "Decode steps (one forward for every running request).",
                 t.decode_steps,
@@ -373,6 +378,7 @@ mod tests {
                 times: BatchTimes {
                     prefill: std::time::Duration::from_millis(1500),
                     prefill_tokens: 40,
+                    prefill_forwards: 3,
                     decode_steps: 9,
                     decode_rows: 20,
                     ..Default::default()
@@ -403,6 +409,7 @@ mod tests {
             "# TYPE tessera_prefix_cache_hits_total counter",
             "tessera_prefill_seconds_total 1.5",
             "tessera_prefill_tokens_total 40",
+            "tessera_prefill_forwards_total 3",
             "tessera_decode_seconds_total 0",
             "tessera_decode_steps_total 9",
             "tessera_decode_row_steps_total 20",
