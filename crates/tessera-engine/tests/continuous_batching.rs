@@ -98,6 +98,36 @@ fn batched(
     (out, events, most)
 }
 
+/// Greedy requests for `prompts`, but the third samples (seeded with `seed`).
+fn requests_sampling_third(
+    prompts: &[Vec<u32>],
+    max_tokens: &[usize],
+    seed: u64,
+) -> Vec<GenerationRequest> {
+    prompts
+        .iter()
+        .zip(max_tokens)
+        .enumerate()
+        .map(|(i, (p, &m))| GenerationRequest {
+            prompt: p.clone(),
+            max_tokens: m,
+            sampler: if i == 2 {
+                SamplerConfig {
+                    temperature: 0.9,
+                    top_k: Some(40),
+                    seed,
+                    ..SamplerConfig::default()
+                }
+            } else {
+                SamplerConfig::default()
+            },
+            stop_tokens: vec![],
+            logprobs: None,
+            stop_strings: Vec::new(),
+        })
+        .collect()
+}
+
 #[test]
 fn requests_joining_and_leaving_equal_each_run_alone() {
     let (model, tok) = common::load_f32_weights();
@@ -108,28 +138,7 @@ fn requests_joining_and_leaving_equal_each_run_alone() {
     for kv in ["bf16", "affine:4", "turbo:4"] {
         let scheme = KvScheme::parse(kv).unwrap();
         // One request samples (seeded): its draws must not depend on its neighbours.
-        let requests: Vec<GenerationRequest> = prompts
-            .iter()
-            .zip(max_tokens)
-            .enumerate()
-            .map(|(i, (p, m))| GenerationRequest {
-                prompt: p.clone(),
-                max_tokens: m,
-                sampler: if i == 2 {
-                    SamplerConfig {
-                        temperature: 0.9,
-                        top_k: Some(40),
-                        seed: 7,
-                        ..SamplerConfig::default()
-                    }
-                } else {
-                    SamplerConfig::default()
-                },
-                stop_tokens: vec![],
-                logprobs: None,
-                stop_strings: Vec::new(),
-            })
-            .collect();
+        let requests = requests_sampling_third(&prompts, &max_tokens, 7);
         let limits = BatchLimits {
             max_batch: 3,
             kv_budget: None,
@@ -543,28 +552,7 @@ fn waiting_short_prompts_are_read_in_one_forward_and_equal_each_run_alone() {
     let max_tokens = [7, 1, 9, 5, 6];
     for kv in ["bf16", "affine:4", "turbo:4"] {
         let scheme = KvScheme::parse(kv).unwrap();
-        let requests: Vec<GenerationRequest> = prompts
-            .iter()
-            .zip(max_tokens)
-            .enumerate()
-            .map(|(i, (p, m))| GenerationRequest {
-                prompt: p.clone(),
-                max_tokens: m,
-                sampler: if i == 2 {
-                    SamplerConfig {
-                        temperature: 0.9,
-                        top_k: Some(40),
-                        seed: 11,
-                        ..SamplerConfig::default()
-                    }
-                } else {
-                    SamplerConfig::default()
-                },
-                stop_tokens: vec![],
-                logprobs: None,
-                stop_strings: Vec::new(),
-            })
-            .collect();
+        let requests = requests_sampling_third(&prompts, &max_tokens, 11);
         let limits = BatchLimits {
             max_batch: 4,
             kv_budget: None,
