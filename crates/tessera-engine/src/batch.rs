@@ -620,7 +620,7 @@ impl<'m> Batch<'m> {
         let slack = self.round_slack();
         let reserved = self.kv_bytes_reserved();
         let (mut take, mut width) = (0, 0);
-        for w in &self.waiting {
+        while let Some(w) = self.waiting.get(take) {
             let len = w.request.prompt.len();
             let wider = width.max(len);
             if take == room
@@ -631,9 +631,15 @@ impl<'m> Batch<'m> {
                 break;
             }
             if let Some(store) = self.prefixes.as_mut() {
-                if (rings && len > 2 * PREFIX_CHECKPOINT)
-                    || store.lookup(&w.request.prompt, slack).is_some()
-                {
+                if rings && len > 2 * PREFIX_CHECKPOINT {
+                    break;
+                }
+                // A stored prefix found is kept with the request (`admit` reads only the
+                // rest), so the store counts it once.
+                if let Some(hit) = store.lookup(&w.request.prompt, slack) {
+                    if let Some(w) = self.waiting.get_mut(take) {
+                        w.resumed = Some(hit);
+                    }
                     break;
                 }
             }

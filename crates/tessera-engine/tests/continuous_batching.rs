@@ -589,3 +589,39 @@ fn waiting_short_prompts_are_read_in_one_forward_and_equal_each_run_alone() {
         }
     }
 }
+
+/// A short prompt that extends a stored row is read from the stored prefix (not grouped
+/// with anything, as nothing else waits) and the store counts the reuse once.
+#[test]
+fn a_short_prompt_reusing_a_stored_prefix_is_counted_once() {
+    let (model, tok) = common::load_f32_weights();
+    let prompts = prompts(&tok);
+    let scheme = KvScheme::parse("bf16").unwrap();
+    let request = |prompt: Vec<u32>| GenerationRequest {
+        prompt,
+        max_tokens: 3,
+        sampler: SamplerConfig::default(),
+        stop_tokens: vec![],
+        logprobs: None,
+        stop_strings: Vec::new(),
+    };
+    let mut batch = Batch::new(&model, &scheme, CHUNK, BatchLimits::default())
+        .unwrap()
+        .with_prefix_cache(64 << 20);
+    let first = prompts[0].clone();
+    let second: Vec<u32> = first.iter().chain(&prompts[2][1..]).copied().collect();
+    assert!(second.len() <= CHUNK, "both prompts are short");
+    serve_one(&mut batch, request(first.clone()));
+    let (got, done) = serve_one(&mut batch, request(second.clone()));
+    let reused = cached(&done);
+    assert!(
+        reused >= first.len() - 1,
+        "the first prompt's row is reused ({reused})"
+    );
+    assert_eq!(batch.prefix_cache().unwrap().hits(), (1, reused as u64));
+    // The reference reads the same chunks: the reused prefix, then the rest.
+    let mut session = Session::new(&model, &scheme, CHUNK).unwrap();
+    session.feed(&second[..reused]).unwrap();
+    let want = common::decode_alone(&mut session, &second[reused..], SamplerConfig::default(), 3);
+    assert_eq!(got, want);
+}
