@@ -6,8 +6,8 @@
 //! into a cache of its own (so running streams keep flowing while a long prompt is read);
 //! several whole short prompts waiting together are read in one forward instead, left-padded
 //! to the widest (at most one chunk of tokens in all), so a burst of arrivals costs one
-//! forward rather than one each. A request whose prompt is read samples its first token, and its one-row cache is merged
-//! into the running batch, which it decodes with from the next step (codes copied as stored, for every KV codec); a request that
+//! forward rather than one each. A request whose prompt is read samples its first token,
+//! and its cache is merged into the running batch, which it decodes with from the next step (codes copied as stored, for every KV codec); a request that
 //! finishes, or is cancelled, is filtered out at the step that ends it. Rows keep their own
 //! ends, so nothing is recomputed when rows come and go. Admission control: at
 //! most `max_batch` running rows, the KV bytes every admitted request may grow to within

@@ -9,8 +9,9 @@
 // 4t .. 4t + 3, low nibbles the first four, high nibbles the second). With the 1024
 // exponent trick a masked word becomes two f16 codes (1024 + c, or 1024 + 16c for the
 // nibbles at bits 4–7), one f16x2 subtract (or fma of 1/16) gives c − 8 exactly: two
-// instructions a pair of codes, which at one input row is what bounds the kernel. Slot pairs (2t, 2t+1) and (2t+8, 2t+9) of mma 0 hold positions
-// (4t, 4t+2) and (4t+1, 4t+3); mma 1's slots hold 16 + those positions (the high nibbles).
+// instructions a pair of codes, which at one input row is what bounds the kernel. Slot
+// pairs (2t, 2t+1) and (2t+8, 2t+9) of mma 0 hold positions (4t, 4t+2) and (4t+1, 4t+3);
+// mma 1's slots hold 16 + those positions (the high nibbles).
 //
 // Q4_0 planes, for n rows (a multiple of 16) × k columns (a multiple of 256):
 //   codes  per 16-row tile T, per block pair P (k / 64), per lane: one 16-byte load of
@@ -21,10 +22,10 @@
 // lib.rs's `q4_0_planes` writes this layout from the file's blocks.
 //
 // Inputs: `q4_0_inputs` turns f32 rows into B fragments once per matmul. Up to SPLIT_UP_TO
-// rows (weights.rs; 8, a decode step), each input row is split into an f16 high part and an f16 residual (x − hi)
-// in two adjacent columns, so the product carries ~22 bits of x (f32-like) rather than f16's
-// 11; the output adds the two columns. Above, rows enter as f16, 32 a launch (NT = 4 n8
-// tiles either way).
+// rows (weights.rs; 8, a decode step), each input row is split into an f16 high part and an
+// f16 residual (x − hi) in two adjacent columns, so the product carries ~22 bits of x
+// (f32-like) rather than f16's 11; the output adds the two columns. Above, rows enter as
+// f16, 32 a launch (NT = 4 n8 tiles).
 // No CUDA headers: f16 and bf16 are converted by hand, so NVRTC needs no include path.
 
 // Build choices (weights-bench's `variants` compiles others and times them; NOTES.md keeps
