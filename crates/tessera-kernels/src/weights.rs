@@ -146,7 +146,7 @@ impl Default for CudaWeights {
 
 impl CudaWeights {
     /// A backend whose kernels are compiled with `defines` (lines such as
-    /// `#define L2_PREFETCH 2`) ahead of weights.cu, splitting inputs up to `split_up_to`
+    /// `#define MIN_WARPS 0`) ahead of weights.cu, splitting inputs up to `split_up_to`
     /// rows: weights-bench times the build choices weights.cu lists this way.
     pub fn with_choices(defines: &str, split_up_to: usize) -> Self {
         CudaWeights {
