@@ -25,7 +25,9 @@
 // rows (weights.rs; 8, a decode step), each input row is split into an f16 high part and an
 // f16 residual (x − hi) in two adjacent columns, so the product carries ~22 bits of x
 // (f32-like) rather than f16's 11; the output adds the two columns. Above, rows enter as
-// f16, 32 a launch (NT = 4 n8 tiles).
+// f16, 32 a launch (NT = 4 n8 tiles). `q4_0_normed_inputs` RMS-normalizes the rows first,
+// folding the norm that precedes a model's matmul into the same launch; `q4_0_silu_gated_inputs`
+// does the same for a gated MLP's silu(gate) · up.
 // No CUDA headers: f16 and bf16 are converted by hand, so NVRTC needs no include path.
 
 // Build choices (weights-bench's `variants` compiles others and times them; NOTES.md keeps
@@ -100,8 +102,19 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
 // (8j + g) / 2, its high part for even columns and its residual for odd ones (4 rows a
 // tile); without, column c is input row c in f16 (8 rows a tile). Zero past m. One thread a
 // lane's 16 bytes. Grid: NT · k/32 · 32 threads.
-extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __restrict__ frag,
-                                       int m, int k, int nt, int split) {
+// Where a fragment's values come from: rows of x as they are; RMS-normalized (each row
+// times inv[row], times the norm weights y); or silu(x) · y, gate and up rows of a gated MLP
+// (candle's silu, x / (1 + e^−x), then the product, as two launches of their own would).
+#define PLAIN 0
+#define NORMED 1
+#define SILU_GATED 2
+
+// One fragment word set (lane i of the grid) of rows `x` (`ld` floats apart) from SOURCE.
+template <int SOURCE>
+__device__ __forceinline__ void inputs_body(const float* __restrict__ x,
+                                            const float* __restrict__ y, const float* inv,
+                                            uint4* __restrict__ frag, int m, int k, int ld,
+                                            int nt, int split) {
     const int kb = k >> 5;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= nt * kb * 32) return;
@@ -110,9 +123,23 @@ extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __res
     const bool residual = split && (col & 1);
     uint4 out = make_uint4(0u, 0u, 0u, 0u);
     if (row < m) {
-        const float* xr = x + (size_t)row * k + 32 * b + 4 * t;
-        const float4 lo = __ldg((const float4*)xr), hi = __ldg((const float4*)(xr + 16));
+        const size_t at = (size_t)row * ld + 32 * b + 4 * t;
+        const float4 lo = __ldg((const float4*)(x + at)), hi = __ldg((const float4*)(x + at + 16));
         float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        if (SOURCE == NORMED) {
+            const float* wr = y + 32 * b + 4 * t;
+            const float4 wl = __ldg((const float4*)wr), wh = __ldg((const float4*)(wr + 16));
+            const float g[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
+            const float s = inv[row];
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = v[e] * s * g[e];
+        }
+        if (SOURCE == SILU_GATED) {
+            const float4 ul = __ldg((const float4*)(y + at)), uh = __ldg((const float4*)(y + at + 16));
+            const float u[8] = {ul.x, ul.y, ul.z, ul.w, uh.x, uh.y, uh.z, uh.w};
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = v[e] / (1.f + expf(-v[e])) * u[e];
+        }
         u32 h[8];
 #pragma unroll
         for (int e = 0; e < 8; e++) {
@@ -126,6 +153,50 @@ extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __res
         out.w = h[5] | (h[7] << 16);
     }
     frag[i] = out;
+}
+
+extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __restrict__ frag,
+                                       int m, int k, int nt, int split) {
+    inputs_body<PLAIN>(x, nullptr, nullptr, frag, m, k, k, nt, split);
+}
+
+// q4_0_inputs of silu(gate) · up, rows `ld` floats apart (views into one gate|up output).
+extern "C" __global__ void q4_0_silu_gated_inputs(const float* __restrict__ gate,
+                                                  const float* __restrict__ up,
+                                                  uint4* __restrict__ frag, int m, int k,
+                                                  int ld, int nt, int split) {
+    inputs_body<SILU_GATED>(gate, up, nullptr, frag, m, k, ld, nt, split);
+}
+
+// q4_0_inputs of RMS-normalized rows, x / sqrt(mean(x²) + eps) · w, as a separate norm
+// launch would give them (f32 throughout). Every block sums the squares of all m ≤ 32 rows
+// itself (a row is 16 KB at k = 4096, read from L2): no second launch, no grid sync.
+extern "C" __global__ void q4_0_normed_inputs(const float* __restrict__ x,
+                                              const float* __restrict__ w,
+                                              uint4* __restrict__ frag, int m, int k, int nt,
+                                              int split, float eps) {
+    __shared__ float partial[32][32];
+    __shared__ float inv[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int r = 0; r < m; r++) {
+        const float4* xr = (const float4*)(x + (size_t)r * k);
+        float s = 0.f;
+        for (int q = threadIdx.x; q < (k >> 2); q += blockDim.x) {
+            const float4 v = __ldg(xr + q);
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) partial[r][warp] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < m) {
+        float s = 0.f;
+        for (int q = 0; q < warps; q++) s += partial[threadIdx.x][q];
+        inv[threadIdx.x] = rsqrtf(s / (float)k + eps);
+    }
+    __syncthreads();
+    inputs_body<NORMED>(x, w, inv, frag, m, k, k, nt, split);
 }
 
 // One octet's loads for RT tiles: a lane's 4 code loads and 2 scale loads per tile, and

@@ -11,7 +11,7 @@ use crate::{q4_0_planes, Q4_0_OCTET, Q4_0_ROWS, WEIGHTS_CU};
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -19,7 +19,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
-use tessera_models::device_weights::{DeviceMatrix, WeightBackend};
+use tessera_models::device_weights::{rms_norm, DeviceMatrix, WeightBackend};
 
 /// Most input rows whose launches split each row into an f16 high part and residual (f32-like
 /// products, 1–2e-7); more rows enter as f16 (≤ 2e-4), 32 a launch. At 9–16 rows the split
@@ -115,6 +115,10 @@ struct Kernels {
     /// [`MmaShape::kernel_index`].
     mma: Vec<CudaFunction>,
     inputs: CudaFunction,
+    /// `inputs` of RMS-normalized rows.
+    normed_inputs: CudaFunction,
+    /// `inputs` of silu(gate) · up.
+    gated_inputs: CudaFunction,
     to_bf16: CudaFunction,
     /// [`CudaWeights`]'s `split_up_to`.
     split_up_to: usize,
@@ -189,6 +193,8 @@ impl CudaWeights {
             device: device.clone(),
             mma,
             inputs: module.load_function("q4_0_inputs")?,
+            normed_inputs: module.load_function("q4_0_normed_inputs")?,
+            gated_inputs: module.load_function("q4_0_silu_gated_inputs")?,
             to_bf16: module.load_function("q4_0_to_bf16")?,
             split_up_to: self.split_up_to,
             fragments: Mutex::new(None),
@@ -294,20 +300,46 @@ pub struct Q4Matrix {
     kernels: Arc<Kernels>,
 }
 
+/// Rows of f32 in a device buffer: `m` rows of the matrix's width, `ld` floats apart, from
+/// `offset`.
+struct Rows<'a> {
+    data: &'a CudaSlice<f32>,
+    offset: usize,
+    ld: usize,
+}
+
+impl Rows<'_> {
+    /// Rows `first..first + rows` of width `k`.
+    fn view(&self, first: usize, rows: usize, k: usize) -> CudaView<'_, f32> {
+        let at = self.offset + first * self.ld;
+        self.data.slice(at..at + (rows - 1) * self.ld + k)
+    }
+}
+
+/// What a matmul's input launch makes its fragments of (weights.cu's `SOURCE`s).
+enum Source<'a> {
+    /// The rows as they are.
+    Plain,
+    /// The rows RMS-normalized: these weights (k of them) and epsilon.
+    Normed(CudaView<'a, f32>, f32),
+    /// silu(rows) · these rows (the up half of a gated MLP).
+    SiluGated(Rows<'a>),
+}
+
 impl Q4Matrix {
-    /// `y = x · Wᵀ` for `m` rows of f32 `x` (starting at `offset`), by tensor-core launches
+    /// `y = x · Wᵀ` for the `m` rows of `x`, made from `source`, by tensor-core launches
     /// (rows split into high parts and residuals up to the backend's `split_up_to` rows).
     fn mma(
         &self,
-        x: &CudaSlice<f32>,
-        offset: usize,
+        x: Rows<'_>,
         m: usize,
         shape: MmaShape,
+        source: Source<'_>,
     ) -> anyhow::Result<CudaSlice<f32>> {
         let stream = self.kernels.device.cuda_stream();
         // SAFETY: the launches below write every element before anything reads it.
         let mut y = unsafe { stream.alloc::<f32>(m * self.n)? };
-        let (n, k) = (self.n as i32, self.k as i32);
+        let (n, k, ld) = (self.n as i32, self.k as i32, x.ld as i32);
         let split = m <= self.kernels.split_up_to;
         let per_launch = rows_per_launch(split);
         let words = n_tiles(m.min(per_launch), split) * self.k * 4;
@@ -317,7 +349,7 @@ impl Q4Matrix {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if scratch.as_ref().is_none_or(|f| f.len() < words) {
-            // SAFETY: `q4_0_inputs` writes every fragment word a matmul reads.
+            // SAFETY: the input launches write every fragment word a matmul reads.
             *scratch = Some(unsafe { stream.alloc::<u32>(words)? });
         }
         let frag = scratch
@@ -332,20 +364,37 @@ impl Q4Matrix {
         for first in (0..m).step_by(per_launch) {
             let rows = (m - first).min(per_launch);
             let nt = n_tiles(rows, split);
-            let at = offset + first * self.k;
-            let xs = x.slice(at..at + rows * self.k);
+            let xs = x.view(first, rows, self.k);
             let (rows_i, nt_i) = (rows as i32, nt as i32);
-            let threads = (nt * self.k) as u32; // NT · k/32 blocks · 32 lanes
-            let mut l = stream.launch_builder(&self.kernels.inputs);
-            l.arg(&xs)
-                .arg(&mut *frag)
-                .arg(&rows_i)
-                .arg(&k)
-                .arg(&nt_i)
-                .arg(&split_i);
-            // SAFETY: xs holds `rows` rows of k floats; frag NT · k/32 · 32 uint4 (allocated
-            // for the most n8 tiles a launch takes); the kernel touches no more.
-            unsafe { l.launch(LaunchConfig::for_num_elems(threads))? };
+            // NT · k/32 blocks · 32 lanes, in blocks of 1024 threads.
+            let inputs_cfg = LaunchConfig::for_num_elems((nt * self.k) as u32);
+            // SAFETY (all three): xs holds `rows` rows of k floats `ld` apart; frag NT · k/32
+            // · 32 uint4 (allocated for the most n8 tiles a launch takes); the kernels touch
+            // no more.
+            match &source {
+                Source::Plain => {
+                    let mut l = stream.launch_builder(&self.kernels.inputs);
+                    l.arg(&xs).arg(&mut *frag).arg(&rows_i).arg(&k);
+                    l.arg(&nt_i).arg(&split_i);
+                    unsafe { l.launch(inputs_cfg)? };
+                }
+                Source::Normed(weight, eps) => {
+                    // Also: `weight` holds k floats (checked by the caller); the kernel's
+                    // sums hold at most 32 rows (`per_launch`) of 32 warps.
+                    let mut l = stream.launch_builder(&self.kernels.normed_inputs);
+                    l.arg(&xs).arg(weight).arg(&mut *frag).arg(&rows_i).arg(&k);
+                    l.arg(&nt_i).arg(&split_i).arg(eps);
+                    unsafe { l.launch(inputs_cfg)? };
+                }
+                Source::SiluGated(up) => {
+                    // Also: `up` holds the same rows, as far apart.
+                    let us = up.view(first, rows, self.k);
+                    let mut l = stream.launch_builder(&self.kernels.gated_inputs);
+                    l.arg(&xs).arg(&us).arg(&mut *frag).arg(&rows_i).arg(&k);
+                    l.arg(&ld).arg(&nt_i).arg(&split_i);
+                    unsafe { l.launch(inputs_cfg)? };
+                }
+            }
             let kernel = shape
                 .kernel_index(nt)
                 .and_then(|i| self.kernels.mma.get(i))
@@ -379,8 +428,102 @@ impl Q4Matrix {
         let Storage::Cuda(s) = &*storage else {
             candle_core::bail!("a CUDA matrix given a {:?} input", x.device().location());
         };
+        let rows = Rows {
+            data: s.as_cuda_slice::<f32>()?,
+            offset: layout.start_offset(),
+            ld: self.k,
+        };
         let y = self
-            .mma(s.as_cuda_slice::<f32>()?, layout.start_offset(), m, shape)
+            .mma(rows, m, shape, Source::Plain)
+            .map_err(candle_error)?;
+        Ok(wrap(&self.kernels.device, y, &out_dims))
+    }
+
+    /// `rms_norm(x, weight, eps) · Wᵀ` on the tensor cores, the norm folded into the
+    /// launch that prepares the inputs.
+    pub fn forward_mma_normed(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+        shape: MmaShape,
+    ) -> candle_core::Result<Tensor> {
+        if shape.kernel_index(1).is_none() {
+            candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
+        }
+        if weight.dims() != [self.k] {
+            candle_core::bail!("norm weights {:?} for a width of {}", weight.dims(), self.k);
+        }
+        let (m, out_dims) = self.shapes(x)?;
+        if m == 0 {
+            return Tensor::zeros(out_dims, DType::F32, x.device());
+        }
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
+        let weight = weight.to_dtype(DType::F32)?.contiguous()?;
+        let (storage, layout) = x.storage_and_layout();
+        let (w_storage, w_layout) = weight.storage_and_layout();
+        let (Storage::Cuda(s), Storage::Cuda(ws)) = (&*storage, &*w_storage) else {
+            candle_core::bail!("a CUDA matrix given a {:?} input", x.device().location());
+        };
+        let w = ws
+            .as_cuda_slice::<f32>()?
+            .slice(w_layout.start_offset()..w_layout.start_offset() + self.k);
+        let rows = Rows {
+            data: s.as_cuda_slice::<f32>()?,
+            offset: layout.start_offset(),
+            ld: self.k,
+        };
+        let y = self
+            .mma(rows, m, shape, Source::Normed(w, eps))
+            .map_err(candle_error)?;
+        Ok(wrap(&self.kernels.device, y, &out_dims))
+    }
+
+    /// `(silu(gate) · up) · Wᵀ` on the tensor cores, the activation and product folded into
+    /// the launch that prepares the inputs. `gate` and `up` may be views into one output
+    /// (a stacked gate|up matmul's halves), rows equally apart in both.
+    pub fn forward_mma_silu_gated(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        shape: MmaShape,
+    ) -> candle_core::Result<Tensor> {
+        if shape.kernel_index(1).is_none() {
+            candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
+        }
+        if gate.dims() != up.dims() {
+            candle_core::bail!("gate {:?} and up {:?} differ", gate.dims(), up.dims());
+        }
+        let (m, out_dims) = self.shapes(gate)?;
+        if m == 0 {
+            return Tensor::zeros(out_dims, DType::F32, gate.device());
+        }
+        let (gate, up) = (gate.to_dtype(DType::F32)?, up.to_dtype(DType::F32)?);
+        let ld = match (
+            row_stride(gate.layout(), self.k),
+            row_stride(up.layout(), self.k),
+        ) {
+            (Some(g), Some(u)) if g == u => g,
+            // Rows the launch cannot address with one stride: the activation on its own.
+            _ => return self.forward_mma(&(gate.silu()? * up)?, shape),
+        };
+        let (g_storage, g_layout) = gate.storage_and_layout();
+        let (u_storage, u_layout) = up.storage_and_layout();
+        let (Storage::Cuda(gs), Storage::Cuda(us)) = (&*g_storage, &*u_storage) else {
+            candle_core::bail!("a CUDA matrix given a {:?} input", gate.device().location());
+        };
+        let rows = Rows {
+            data: gs.as_cuda_slice::<f32>()?,
+            offset: g_layout.start_offset(),
+            ld,
+        };
+        let up_rows = Rows {
+            data: us.as_cuda_slice::<f32>()?,
+            offset: u_layout.start_offset(),
+            ld,
+        };
+        let y = self
+            .mma(rows, m, shape, Source::SiluGated(up_rows))
             .map_err(candle_error)?;
         Ok(wrap(&self.kernels.device, y, &out_dims))
     }
@@ -428,6 +571,24 @@ impl Q4Matrix {
     }
 }
 
+/// The distance between rows of `layout` when it holds rows of width `k`, each contiguous
+/// and all equally apart (a contiguous tensor, or a view of some columns of one).
+fn row_stride(layout: &candle_core::Layout, k: usize) -> Option<usize> {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let r = dims.len();
+    if r == 0 || dims[r - 1] != k || (k > 1 && strides[r - 1] != 1) {
+        return None;
+    }
+    if r == 1 {
+        return Some(k);
+    }
+    let ld = strides[r - 2];
+    // Each leading dimension steps over whole runs of the one after it.
+    let uniform = (0..r - 2).all(|i| dims[i] == 1 || strides[i] == strides[i + 1] * dims[i + 1]);
+    (uniform && ld >= k && ld.is_multiple_of(4) && layout.start_offset().is_multiple_of(4))
+        .then_some(ld)
+}
+
 fn wrap<T: candle_core::cuda_backend::CudaDType>(
     device: &CudaDevice,
     out: CudaSlice<T>,
@@ -457,6 +618,24 @@ impl DeviceMatrix for Q4Matrix {
             self.forward_gemm(x)
         } else {
             self.forward_mma(x, MmaShape::for_matrix(self.n))
+        }
+    }
+
+    fn forward_silu_gated(&self, gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+        let m = gate.elem_count() / self.k.max(1);
+        if m >= GEMM_FROM {
+            self.forward_gemm(&(gate.silu()? * up)?)
+        } else {
+            self.forward_mma_silu_gated(gate, up, MmaShape::for_matrix(self.n))
+        }
+    }
+
+    fn forward_normed(&self, x: &Tensor, weight: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+        let m = x.elem_count() / self.k.max(1);
+        if m >= GEMM_FROM {
+            self.forward_gemm(&rms_norm(x, weight, eps)?)
+        } else {
+            self.forward_mma_normed(x, weight, eps, MmaShape::for_matrix(self.n))
         }
     }
     fn as_any(&self) -> &dyn Any {

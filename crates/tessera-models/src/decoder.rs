@@ -417,14 +417,14 @@ fn bad(key: &str, value: impl std::fmt::Display, reason: impl Into<String>) -> M
 // ---------------------------------------------------------------------------------------
 // Layers
 
-struct RmsNorm {
-    weight: Tensor,
-    eps: f32,
+pub(crate) struct RmsNorm {
+    pub(crate) weight: Tensor,
+    pub(crate) eps: f32,
 }
 
 impl RmsNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
+        crate::device_weights::rms_norm(x, &self.weight, self.eps)
     }
 }
 
@@ -496,14 +496,15 @@ struct Projected {
 }
 
 impl Attention {
-    fn project(&self, x: &Tensor, rope: &Rope) -> candle_core::Result<Projected> {
+    /// Projections of `norm(x)`.
+    fn project(&self, x: &Tensor, norm: &RmsNorm, rope: &Rope) -> candle_core::Result<Projected> {
         let (b, n, _) = x.dims3()?;
         let split = |t: Tensor, heads: usize, dim: usize| {
             t.reshape((b, n, heads, dim))?.transpose(1, 2)?.contiguous()
         };
         let [q, k, v]: [Tensor; 3] = self
             .qkv
-            .forward_biased(x, self.qkv_bias.as_ref())?
+            .forward_normed(x, norm, self.qkv_bias.as_ref())?
             .try_into()
             .map_err(|_| candle_core::Error::Msg("attention needs three projections".into()))?;
         let q = split(q, self.heads, self.head_dim)?;
@@ -533,10 +534,11 @@ impl Attention {
     fn forward(
         &self,
         x: &Tensor,
+        norm: &RmsNorm,
         rope: &Rope,
         cache: &mut impl AttentionCache,
     ) -> Result<Tensor, ModelError> {
-        let p = self.project(x, rope)?;
+        let p = self.project(x, norm, rope)?;
         cache.observe_queries(&p.q)?;
         let read = if p.q.dims()[2] == 1 {
             cache.append_decode(&p.k, &p.v)?
@@ -559,18 +561,19 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// The MLP of `norm(x)`.
+    fn forward(&self, x: &Tensor, norm: &RmsNorm) -> candle_core::Result<Tensor> {
         let [gate, up]: [Tensor; 2] = self
             .gate_up
-            .forward(x)?
+            .forward_normed(x, norm, None)?
             .try_into()
             .map_err(|_| candle_core::Error::Msg("the MLP needs two projections".into()))?;
-        let gate = if self.gelu {
-            crate::activation::gelu_tanh(&gate, self.isa)?
+        if self.gelu {
+            let gate = crate::activation::gelu_tanh(&gate, self.isa)?;
+            self.down.forward(&(gate * up)?)
         } else {
-            candle_nn::ops::silu(&gate)?
-        };
-        self.down.forward(&(gate * up)?)
+            self.down.forward_silu_gated(&gate, &up)
+        }
     }
 }
 
@@ -585,12 +588,14 @@ struct Block {
 }
 
 impl Block {
-    /// The residual stream around attention (given as a closure so the cached and the
-    /// uncached reference forward share everything else) and the MLP.
+    /// The residual stream around attention (given as a closure of the stream and the norm
+    /// its projections take, so the cached and the uncached reference forward share
+    /// everything else) and the MLP. The norms travel with their inputs so that a device
+    /// backend can fold each into its matmul's input preparation.
     fn forward(
         &self,
         x: &Tensor,
-        attend: impl FnOnce(&Tensor) -> Result<Tensor, ModelError>,
+        attend: impl FnOnce(&Tensor, &RmsNorm) -> Result<Tensor, ModelError>,
     ) -> Result<Tensor, ModelError> {
         let post = |h: Tensor, i: usize| -> candle_core::Result<Tensor> {
             match &self.post_norms {
@@ -598,9 +603,9 @@ impl Block {
                 None => Ok(h),
             }
         };
-        let h = attend(&self.attn_norm.forward(x)?)?;
+        let h = attend(x, &self.attn_norm)?;
         let x = (x + post(h, 0)?)?;
-        let h = self.mlp.forward(&self.ffn_norm.forward(&x)?)?;
+        let h = self.mlp.forward(&x, &self.ffn_norm)?;
         Ok((x + post(h, 1)?)?)
     }
 }
@@ -824,8 +829,7 @@ impl Decoder {
             }
             LogitsMode::All => x.clone(),
         };
-        let x = self.final_norm.forward(&x)?;
-        Ok(self.output.forward(&x)?)
+        Ok(self.output.forward_normed(&x, &self.final_norm)?)
     }
 
     /// Runs `tokens` `(rows, n)` through the model, appending to `cache`: a prefill chunk
@@ -867,7 +871,7 @@ impl Decoder {
         for (i, block) in self.blocks.iter().enumerate() {
             let rope = if block.sliding { &local } else { &global };
             let layer = cache.layer_mut(i);
-            x = block.forward(&x, |h| block.attn.forward(h, rope, layer))?;
+            x = block.forward(&x, |h, norm| block.attn.forward(h, norm, rope, layer))?;
         }
         self.logits(&x, mode)
     }
@@ -890,9 +894,9 @@ impl Decoder {
             } else {
                 (&global, None)
             };
-            x = block.forward(&x, |h| {
+            x = block.forward(&x, |h, norm| {
                 let a = &block.attn;
-                let p = a.project(h, rope)?;
+                let p = a.project(h, norm, rope)?;
                 let mut mask = vec![0f32; n * n];
                 for q in 0..n {
                     for k in 0..n {

@@ -15,6 +15,17 @@ pub trait DeviceMatrix: Send + Sync {
     fn in_features(&self) -> usize;
     /// `x · Wᵀ` for f32 `x` of shape `(…, in_features)`: f32 `(…, out_features)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// `rms_norm(x, weight, eps) · Wᵀ` ([`rms_norm`]). A backend that prepares its inputs in
+    /// a launch of its own folds the norm into it: one launch fewer per normed matmul, three
+    /// a decode layer.
+    fn forward_normed(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        self.forward(&rms_norm(x, weight, eps)?)
+    }
+    /// `(silu(gate) · up) · Wᵀ`, a gated MLP's down projection; as with the norm, a backend
+    /// folds the activation and product into its input preparation.
+    fn forward_silu_gated(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        self.forward(&(candle_nn::ops::silu(gate)? * up)?)
+    }
     /// The concrete matrix, for [`WeightBackend::stack`].
     fn as_any(&self) -> &dyn Any;
 }
@@ -27,6 +38,11 @@ pub trait WeightBackend: Send + Sync {
     /// `parts` as one matrix, their rows stacked in order (one launch for several
     /// projections of the same input); `Ok(None)` where they cannot be stacked.
     fn stack(&self, parts: &[&dyn DeviceMatrix]) -> Result<Option<Box<dyn DeviceMatrix>>>;
+}
+
+/// RMSNorm over the last dimension, `x / sqrt(mean(x²) + eps) · weight` (candle's op).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps)
 }
 
 static BACKEND: OnceLock<Box<dyn WeightBackend>> = OnceLock::new();

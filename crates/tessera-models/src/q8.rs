@@ -13,6 +13,8 @@
 //! At AVX-512 VNNI, several rows run two blocks at a time in 512-bit registers. At [`Isa::Amx`], 16 or
 //! more activation rows go to AMX int8 tiles instead ([`crate::q8_amx`]).
 
+use crate::decoder::RmsNorm;
+use crate::device_weights::rms_norm;
 use crate::kquant::KMatrix;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Result, Tensor};
@@ -770,6 +772,24 @@ impl Linear {
         }
     }
 
+    /// `norm(x) · Wᵀ`: on a device backend, the norm is folded into the matmul's input
+    /// preparation ([`crate::device_weights::DeviceMatrix::forward_normed`]).
+    pub(crate) fn forward_normed(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+        match self {
+            Linear::Device(m) => m.forward_normed(x, &norm.weight, norm.eps),
+            _ => self.forward(&rms_norm(x, &norm.weight, norm.eps)?),
+        }
+    }
+
+    /// `(silu(gate) · up) · Wᵀ`: on a device backend, the activation and product are folded
+    /// into the matmul's input preparation.
+    pub(crate) fn forward_silu_gated(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        match self {
+            Linear::Device(m) => m.forward_silu_gated(gate, up),
+            _ => self.forward(&(candle_nn::ops::silu(gate)? * up)?),
+        }
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Linear::Q8(m) => m.forward(x),
@@ -920,8 +940,36 @@ impl Projections {
     /// output row of the stack, in part order): added once to the stacked output before the
     /// split, or split per part for separate matmuls.
     pub fn forward_biased(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Vec<Tensor>> {
+        self.forward_inputs(x, None, bias)
+    }
+
+    /// [`Projections::forward_biased`] of `norm(x)`: a stacked device matrix folds the norm
+    /// into its input preparation, separate parts share one norm.
+    pub(crate) fn forward_normed(
+        &self,
+        x: &Tensor,
+        norm: &RmsNorm,
+        bias: Option<&Tensor>,
+    ) -> Result<Vec<Tensor>> {
+        self.forward_inputs(x, Some(norm), bias)
+    }
+
+    fn forward_inputs(
+        &self,
+        x: &Tensor,
+        norm: Option<&RmsNorm>,
+        bias: Option<&Tensor>,
+    ) -> Result<Vec<Tensor>> {
         match self {
             Projections::Separate(parts) => {
+                let normed;
+                let x = match norm {
+                    Some(n) => {
+                        normed = rms_norm(x, &n.weight, n.eps)?;
+                        &normed
+                    }
+                    None => x,
+                };
                 let mut start = 0;
                 let outs = parts
                     .iter()
@@ -947,7 +995,10 @@ impl Projections {
                 Ok(outs)
             }
             Projections::Stacked { matrix, widths } => {
-                let mut all = matrix.forward(x)?;
+                let mut all = match norm {
+                    Some(n) => matrix.forward_normed(x, n)?,
+                    None => matrix.forward(x)?,
+                };
                 if let Some(bias) = bias {
                     all = all.broadcast_add(bias)?;
                 }

@@ -216,6 +216,64 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
             &same,
             tol,
         );
+        // The norm folded into the input launch: RMSNorm of each row in f64 first.
+        let (weight, eps) = (inputs(&mut rng, k), 1e-6f32);
+        let weight: Vec<f32> = weight.iter().map(|w| 1.0 + 0.5 * w).collect();
+        let x: Vec<f32> = xt.flatten_all()?.to_vec1()?;
+        let normed: Vec<f32> = x
+            .chunks(k)
+            .flat_map(|row| {
+                let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / k as f64;
+                let inv = 1.0 / (ms + eps as f64).sqrt();
+                row.iter()
+                    .zip(&weight)
+                    .map(move |(&v, &w)| (v as f64 * inv * w as f64) as f32)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let want = reference_out(&rows, &normed, k);
+        let wt = Tensor::from_vec(weight, k, device)?;
+        let got = policy
+            .forward_normed(&xt, &wt, eps)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let same = got.clone();
+        check(
+            tally,
+            &format!("model path, normed, {n}×{k} m={m}"),
+            got,
+            &want,
+            &same,
+            tol,
+        );
+        // silu(gate) · up folded in, gate and up the halves of one (m, 2k) output.
+        let both = inputs(&mut rng, m * 2 * k);
+        let gated: Vec<f32> = both
+            .chunks(2 * k)
+            .flat_map(|row| {
+                let (g, u) = row.split_at(k);
+                g.iter()
+                    .zip(u)
+                    .map(|(&g, &u)| (g as f64 / (1.0 + (-(g as f64)).exp()) * u as f64) as f32)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let want = reference_out(&rows, &gated, k);
+        let both = Tensor::from_vec(both, (m, 2 * k), device)?;
+        let (gate, up) = (both.narrow(1, 0, k)?, both.narrow(1, k, k)?);
+        let got = policy
+            .forward_silu_gated(&gate, &up)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let same = got.clone();
+        check(
+            tally,
+            &format!("model path, silu-gated, {n}×{k} m={m}"),
+            got,
+            &want,
+            &same,
+            tol,
+        );
     }
     // Stacking: three parts as one matrix equal the parts side by side.
     let parts: Vec<(usize, Vec<u8>)> = [48, 32, 16]
