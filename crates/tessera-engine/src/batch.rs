@@ -930,9 +930,8 @@ impl<'m> Batch<'m> {
             // Only the chosen ids come back from the device, not the rows' logits (a
             // megabyte per row at Gemma's vocabulary). Ties go to the lowest id, as the
             // sampler's greedy choice.
-            let argmax = logits.argmax(candle_core::D::Minus1)?;
             self.times.decode_submit += started.elapsed();
-            let tokens: Vec<u32> = argmax.to_vec1()?;
+            let tokens = crate::sampler::argmax_rows(&logits)?;
             for (i, (row, &t)) in self.rows.iter_mut().zip(&tokens).enumerate() {
                 if let Some(reason) = row.take_chosen(t, tokenizer, events) {
                     events.push(row.finished(reason));

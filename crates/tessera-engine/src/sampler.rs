@@ -3,6 +3,7 @@
 //! frequency penalties. Seeded and reproducible.
 
 use crate::EngineError;
+use candle_core::{Tensor, D};
 use std::collections::HashMap;
 
 /// Sampling settings. `temperature == 0` is greedy.
@@ -271,6 +272,30 @@ pub fn argmax(values: &[f32]) -> u32 {
     best as u32
 }
 
+/// The argmax of every row of `logits` `(rows, vocab)`, on the logits' device, ties to the
+/// lowest id as [`argmax`]. One reduction over a whole row runs in one block of threads on a
+/// GPU (0.11 ms at a 128k vocabulary, a tenth of a batch-1 step); so the rows are cut into
+/// up to 256 equal chunks reduced in parallel, and the host picks among the chunks' maxima.
+pub fn argmax_rows(logits: &Tensor) -> candle_core::Result<Vec<u32>> {
+    let (rows, vocab) = logits.dims2()?;
+    let chunks = (1..=256.min(vocab))
+        .rev()
+        .find(|c| vocab % c == 0)
+        .unwrap_or(1);
+    let width = vocab / chunks;
+    let split = logits.reshape((rows, chunks, width))?;
+    let (maxima, within) = (split.max(D::Minus1)?, split.argmax(D::Minus1)?);
+    let (maxima, within): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (maxima.to_vec2()?, within.to_vec2()?);
+    Ok(maxima
+        .iter()
+        .zip(&within)
+        .map(|(m, w)| {
+            let c = argmax(m) as usize;
+            (c * width) as u32 + w[c]
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -431,6 +456,36 @@ mod tests {
         let mut s = Sampler::new(cfg);
         for _ in 0..50 {
             assert_eq!(s.sample(&logits, &[]), 0);
+        }
+    }
+    #[test]
+    fn argmax_rows_matches_the_plain_argmax_with_ties_across_chunks() {
+        // Vocabularies with many, few and no divisors up to 256; ties planted inside one
+        // chunk and across chunks, and a row whose maximum is its last id.
+        for vocab in [1000usize, 1187, 997, 262] {
+            let mut rows = Vec::new();
+            for r in 0..5 {
+                let mut l: Vec<f32> = (0..vocab)
+                    .map(|i| (((i * 7919 + r * 104729) % 1009) as f32) * 0.01 - 5.0)
+                    .collect();
+                match r {
+                    1 => {
+                        l[vocab / 3] = 50.0;
+                        l[vocab / 3 + 1] = 50.0;
+                    }
+                    2 => {
+                        l[vocab - 2] = 60.0;
+                        l[7] = 60.0;
+                    }
+                    3 => l[vocab - 1] = 70.0,
+                    _ => {}
+                }
+                rows.push(l);
+            }
+            let flat: Vec<f32> = rows.concat();
+            let t = Tensor::from_vec(flat, (5, vocab), &candle_core::Device::Cpu).unwrap();
+            let want: Vec<u32> = rows.iter().map(|l| argmax(l)).collect();
+            assert_eq!(argmax_rows(&t).unwrap(), want, "vocab {vocab}");
         }
     }
 }

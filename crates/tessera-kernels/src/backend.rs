@@ -134,7 +134,7 @@ impl CudaBackend {
         let k = Arc::new(Kernels {
             device: device.clone(),
             read: DecodeRead::with_stream(stream)?,
-            encode: module.load_function("encode_rows")?,
+            encode: module.load_function("encode_kv_rows")?,
             decode: module.load_function("decode_rows")?,
             turbo_encode: module.load_function("turbo_encode")?,
             turbo_decode: module.load_function("turbo_decode_rows")?,
@@ -455,62 +455,57 @@ impl CudaPlanes {
         Ok(())
     }
 
-    /// Encodes `x` `(rows, heads, n, d)` into rows `row0 ..`, slots `slot ..` of
-    /// `codes`/`params` (`cap` slots) of `plane` (0 keys, 1 values).
-    #[allow(clippy::too_many_arguments)]
+    /// Encodes keys and values `(rows, heads, n, d)` into rows `row0 ..`, slots `slot ..` of
+    /// `planes`: bf16 and affine rows in one launch, turbo rows in one a plane.
     fn encode(
         &self,
-        x: &Tensor,
-        codes: &mut CudaSlice<u32>,
-        params: &mut CudaSlice<u32>,
-        cap: usize,
+        keys: &Tensor,
+        values: &Tensor,
+        planes: &mut GpuPlanes,
         slot: usize,
-        plane: usize,
         row0: usize,
     ) -> Result<(), KvError> {
-        let (b, h, n, d) = x.dims4()?;
+        let (b, h, n, d) = keys.dims4()?;
         if b * h * n == 0 {
             return Ok(());
         }
-        let x = f32_storage(x)?;
+        let (keys, values) = (f32_storage(keys)?, f32_storage(values)?);
         let k = &self.kernels;
+        let cap = planes.capacity;
         // The launch's first block: the kernels index blocks from there.
         let first = row0 * self.geometry.heads * cap;
-        let (w, p) = self.words(plane);
-        let mut codes = codes.slice_mut(first * w..);
-        let mut params = params.slice_mut(first * p..);
+        let ((kw, kpw), (vw, vpw)) = (self.words(0), self.words(1));
+        let mut ck = planes.k.slice_mut(first * kw..);
+        let mut pk = planes.kp.slice_mut(first * kpw..);
+        let mut cv = planes.v.slice_mut(first * vw..);
+        let mut pv = planes.vp.slice_mut(first * vpw..);
         if let Some(t) = &self.turbo {
-            return self.turbo_encode(
-                &x,
-                (b * h, n, d),
-                &mut codes,
-                &mut params,
-                (cap, slot, row0),
-                plane,
-                t,
-            );
+            let geometry = (b * h, n, d);
+            let at = (cap, slot, row0);
+            self.turbo_encode(&keys, geometry, &mut ck, &mut pk, at, 0, t)?;
+            return self.turbo_encode(&values, geometry, &mut cv, &mut pv, at, 1, t);
         }
         let (bits, group) = self.bits_group();
         let per_row = if bits == 0 { d / 2 } else { d / group as usize };
-        with_f32(&x, |xs, offset| {
-            let xs = xs.slice(offset..);
-            let (blocks, n, d, cap, slot) =
-                ((b * h) as i64, n as i32, d as i32, cap as i32, slot as i32);
-            let mut l = k.read.stream.launch_builder(&k.encode);
-            l.arg(&xs)
-                .arg(&mut codes)
-                .arg(&mut params)
-                .arg(&blocks)
-                .arg(&n)
-                .arg(&d)
-                .arg(&cap)
-                .arg(&slot)
-                .arg(&bits)
-                .arg(&group);
-            // bf16: a thread per word; affine: a warp per group.
-            let lanes = if bits == 0 { 1 } else { 32 };
-            unsafe { l.launch(grid(b * h * n as usize * per_row * lanes))? };
-            Ok(())
+        with_f32(&keys, |ks, k_offset| {
+            with_f32(&values, |vs, v_offset| {
+                let (ks, vs) = (ks.slice(k_offset..), vs.slice(v_offset..));
+                let (blocks, n, d, cap, slot) =
+                    ((b * h) as i64, n as i32, d as i32, cap as i32, slot as i32);
+                let mut l = k.read.stream.launch_builder(&k.encode);
+                l.arg(&ks).arg(&vs).arg(&mut ck).arg(&mut cv);
+                l.arg(&mut pk).arg(&mut pv).arg(&blocks).arg(&n).arg(&d);
+                l.arg(&cap).arg(&slot).arg(&bits).arg(&group);
+                // bf16: a thread per word; affine: a warp per group; grid.y: the plane.
+                let lanes = if bits == 0 { 1 } else { 32 };
+                let mut cfg = grid(b * h * n as usize * per_row * lanes);
+                cfg.grid_dim.1 = 2;
+                // SAFETY: both planes hold rows row0.. of `cap` slots of this geometry, and
+                // slot + n ≤ cap (checked by the caller); the kernel writes no more.
+                unsafe { l.launch(cfg)? };
+                Ok(())
+            })
+            .map_err(|e| anyhow::anyhow!("{e}"))
         })
     }
 
@@ -1133,11 +1128,7 @@ impl CudaPlanes {
             .planes
             .take()
             .ok_or_else(|| KvError::Device("write before reserve".into()))?;
-        let cap = planes.capacity;
-        let row0 = rows.start;
-        let done = self
-            .encode(k, &mut planes.k, &mut planes.kp, cap, slot, 0, row0)
-            .and_then(|_| self.encode(v, &mut planes.v, &mut planes.vp, cap, slot, 1, row0));
+        let done = self.encode(k, v, &mut planes, slot, rows.start);
         self.planes = Some(planes);
         done
     }

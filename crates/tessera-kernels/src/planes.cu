@@ -43,9 +43,10 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
 // threads per group): lanes load the group together, reduce its range by shuffles, and
 // each writes whole words of the group's code stream. (One thread walking a group alone,
 // load after load, took ~25 µs a row: more than the decode read it feeds.)
-extern "C" __global__ void encode_rows(const float* __restrict__ x, u32* __restrict__ codes,
-                                       u32* __restrict__ params, long blocks, int n, int d,
-                                       int cap, int slot, int bits, int group) {
+__device__ __forceinline__ void encode_rows(const float* __restrict__ x,
+                                            u32* __restrict__ codes, u32* __restrict__ params,
+                                            long blocks, int n, int d, int cap, int slot,
+                                            int bits, int group) {
     const int per_row = bits == 0 ? d / 2 : d / group;
     const long total = blocks * n * per_row;
     if (bits == 0) {
@@ -114,6 +115,19 @@ extern "C" __global__ void encode_rows(const float* __restrict__ x, u32* __restr
         }
         __syncwarp();
     }
+}
+
+// Keys and values of one append in one launch: blockIdx.y picks the plane (0 keys, 1
+// values), both of the same geometry and codec.
+extern "C" __global__ void encode_kv_rows(const float* __restrict__ xk,
+                                          const float* __restrict__ xv,
+                                          u32* __restrict__ codes_k, u32* __restrict__ codes_v,
+                                          u32* __restrict__ params_k, u32* __restrict__ params_v,
+                                          long blocks, int n, int d, int cap, int slot, int bits,
+                                          int group) {
+    const bool values = blockIdx.y == 1;
+    encode_rows(values ? xv : xk, values ? codes_v : codes_k, values ? params_v : params_k,
+                blocks, n, d, cap, slot, bits, group);
 }
 
 // Slots [slot, slot + len) of a plane into out (blocks, len, d) f32, one thread per element.

@@ -26,8 +26,10 @@
 // f16 residual (x − hi) in two adjacent columns, so the product carries ~22 bits of x
 // (f32-like) rather than f16's 11; the output adds the two columns. Above, rows enter as
 // f16, 32 a launch (NT = 4 n8 tiles). `q4_0_normed_inputs` RMS-normalizes the rows first,
-// folding the norm that precedes a model's matmul into the same launch; `q4_0_silu_gated_inputs`
-// does the same for a gated MLP's silu(gate) · up.
+// folding the norm that precedes a model's matmul into the same launch, and
+// `q4_0_add_normed_inputs` the residual add before that norm too (it writes the sum, the
+// residual stream, as it reads it); `q4_0_silu_gated_inputs` does the same for a gated MLP's
+// silu(gate) · up.
 // No CUDA headers: f16 and bf16 are converted by hand, so NVRTC needs no include path.
 
 // Build choices (weights-bench's `variants` compiles others and times them; NOTES.md keeps
@@ -103,18 +105,22 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
 // tile); without, column c is input row c in f16 (8 rows a tile). Zero past m. One thread a
 // lane's 16 bytes. Grid: NT · k/32 · 32 threads.
 // Where a fragment's values come from: rows of x as they are; RMS-normalized (each row
-// times inv[row], times the norm weights y); or silu(x) · y, gate and up rows of a gated MLP
-// (candle's silu, x / (1 + e^−x), then the product, as two launches of their own would).
+// times inv[row], times the norm weights y); the same of x + add, the sum written to `sum`;
+// or silu(x) · y, gate and up rows of a gated MLP (candle's silu, x / (1 + e^−x), then the
+// product, as two launches of their own would).
 #define PLAIN 0
 #define NORMED 1
 #define SILU_GATED 2
+#define ADD_NORMED 3
 
 // One fragment word set (lane i of the grid) of rows `x` (`ld` floats apart) from SOURCE.
 template <int SOURCE>
 __device__ __forceinline__ void inputs_body(const float* __restrict__ x,
                                             const float* __restrict__ y, const float* inv,
                                             uint4* __restrict__ frag, int m, int k, int ld,
-                                            int nt, int split) {
+                                            int nt, int split,
+                                            const float* __restrict__ add = nullptr,
+                                            float* __restrict__ sum = nullptr) {
     const int kb = k >> 5;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= nt * kb * 32) return;
@@ -126,7 +132,18 @@ __device__ __forceinline__ void inputs_body(const float* __restrict__ x,
         const size_t at = (size_t)row * ld + 32 * b + 4 * t;
         const float4 lo = __ldg((const float4*)(x + at)), hi = __ldg((const float4*)(x + at + 16));
         float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        if (SOURCE == NORMED) {
+        if (SOURCE == ADD_NORMED) {
+            const float4 al = __ldg((const float4*)(add + at)), ah = __ldg((const float4*)(add + at + 16));
+            const float a[8] = {al.x, al.y, al.z, al.w, ah.x, ah.y, ah.z, ah.w};
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] += a[e];
+            // Each (row, block, t) has one high-part lane: it writes the sum.
+            if (!residual) {
+                *(float4*)(sum + at) = make_float4(v[0], v[1], v[2], v[3]);
+                *(float4*)(sum + at + 16) = make_float4(v[4], v[5], v[6], v[7]);
+            }
+        }
+        if (SOURCE == NORMED || SOURCE == ADD_NORMED) {
             const float* wr = y + 32 * b + 4 * t;
             const float4 wl = __ldg((const float4*)wr), wh = __ldg((const float4*)(wr + 16));
             const float g[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
@@ -169,9 +186,14 @@ extern "C" __global__ void q4_0_silu_gated_inputs(const float* __restrict__ gate
 }
 
 // q4_0_inputs of RMS-normalized rows, x / sqrt(mean(x²) + eps) · w, as a separate norm
-// launch would give them (f32 throughout). Every block sums the squares of all m ≤ 32 rows
-// itself (a row is 16 KB at k = 4096, read from L2): no second launch, no grid sync.
-extern "C" __global__ void q4_0_normed_inputs(const float* __restrict__ x,
+// launch would give them (f32 throughout); with ADD, of the rows of x + add (the sum as a
+// separate add launch would give it, written to `sum`). Every block sums the squares of all
+// m ≤ 32 rows itself (a row is 16 KB at k = 4096, read from L2): no second launch, no grid
+// sync.
+template <bool ADD>
+__device__ __forceinline__ void normed_inputs(const float* __restrict__ x,
+                                              const float* __restrict__ add,
+                                              float* __restrict__ sum,
                                               const float* __restrict__ w,
                                               uint4* __restrict__ frag, int m, int k, int nt,
                                               int split, float eps) {
@@ -180,9 +202,14 @@ extern "C" __global__ void q4_0_normed_inputs(const float* __restrict__ x,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int r = 0; r < m; r++) {
         const float4* xr = (const float4*)(x + (size_t)r * k);
+        const float4* ar = (const float4*)(add + (size_t)r * k);
         float s = 0.f;
         for (int q = threadIdx.x; q < (k >> 2); q += blockDim.x) {
-            const float4 v = __ldg(xr + q);
+            float4 v = __ldg(xr + q);
+            if (ADD) {
+                const float4 a = __ldg(ar + q);
+                v = make_float4(v.x + a.x, v.y + a.y, v.z + a.z, v.w + a.w);
+            }
             s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
 #pragma unroll
@@ -196,7 +223,24 @@ extern "C" __global__ void q4_0_normed_inputs(const float* __restrict__ x,
         inv[threadIdx.x] = rsqrtf(s / (float)k + eps);
     }
     __syncthreads();
-    inputs_body<NORMED>(x, w, inv, frag, m, k, k, nt, split);
+    if (ADD) inputs_body<ADD_NORMED>(x, w, inv, frag, m, k, k, nt, split, add, sum);
+    else inputs_body<NORMED>(x, w, inv, frag, m, k, k, nt, split);
+}
+
+extern "C" __global__ void q4_0_normed_inputs(const float* __restrict__ x,
+                                              const float* __restrict__ w,
+                                              uint4* __restrict__ frag, int m, int k, int nt,
+                                              int split, float eps) {
+    normed_inputs<false>(x, nullptr, nullptr, w, frag, m, k, nt, split, eps);
+}
+
+extern "C" __global__ void q4_0_add_normed_inputs(const float* __restrict__ x,
+                                                  const float* __restrict__ add,
+                                                  float* __restrict__ sum,
+                                                  const float* __restrict__ w,
+                                                  uint4* __restrict__ frag, int m, int k,
+                                                  int nt, int split, float eps) {
+    normed_inputs<true>(x, add, sum, w, frag, m, k, nt, split, eps);
 }
 
 // One octet's loads for RT tiles: a lane's 4 code loads and 2 scale loads per tile, and

@@ -19,7 +19,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
-use tessera_models::device_weights::{rms_norm, DeviceMatrix, WeightBackend};
+use tessera_models::device_weights::{residual_sum, rms_norm, DeviceMatrix, WeightBackend};
 
 /// Most input rows whose launches split each row into an f16 high part and residual (f32-like
 /// products, 1–2e-7); more rows enter as f16 (≤ 2e-4), 32 a launch. At 9–16 rows the split
@@ -117,6 +117,8 @@ struct Kernels {
     inputs: CudaFunction,
     /// `inputs` of RMS-normalized rows.
     normed_inputs: CudaFunction,
+    /// `inputs` of RMS-normalized sums of two rows (a residual add, then the norm).
+    add_normed_inputs: CudaFunction,
     /// `inputs` of silu(gate) · up.
     gated_inputs: CudaFunction,
     to_bf16: CudaFunction,
@@ -194,6 +196,7 @@ impl CudaWeights {
             mma,
             inputs: module.load_function("q4_0_inputs")?,
             normed_inputs: module.load_function("q4_0_normed_inputs")?,
+            add_normed_inputs: module.load_function("q4_0_add_normed_inputs")?,
             gated_inputs: module.load_function("q4_0_silu_gated_inputs")?,
             to_bf16: module.load_function("q4_0_to_bf16")?,
             split_up_to: self.split_up_to,
@@ -320,10 +323,32 @@ impl Rows<'_> {
 enum Source<'a> {
     /// The rows as they are.
     Plain,
-    /// The rows RMS-normalized: these weights (k of them) and epsilon.
-    Normed(CudaView<'a, f32>, f32),
+    /// The rows RMS-normalized by these weights (k of them) and epsilon; with `add`, the
+    /// rows plus these (contiguous, as the rows are), their sum written to the buffer.
+    Normed {
+        weight: CudaView<'a, f32>,
+        eps: f32,
+        add: Option<(Rows<'a>, &'a mut CudaSlice<f32>)>,
+    },
     /// silu(rows) · these rows (the up half of a gated MLP).
     SiluGated(Rows<'a>),
+}
+
+/// `f` of `t`'s rows, `ld` floats apart: `t` must hold f32 on a CUDA device.
+fn with_rows<R>(
+    t: &Tensor,
+    ld: usize,
+    f: impl FnOnce(Rows<'_>) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        candle_core::bail!("a CUDA matrix given a {:?} input", t.device().location());
+    };
+    f(Rows {
+        data: s.as_cuda_slice::<f32>()?,
+        offset: layout.start_offset(),
+        ld,
+    })
 }
 
 impl Q4Matrix {
@@ -334,7 +359,7 @@ impl Q4Matrix {
         x: Rows<'_>,
         m: usize,
         shape: MmaShape,
-        source: Source<'_>,
+        mut source: Source<'_>,
     ) -> anyhow::Result<CudaSlice<f32>> {
         let stream = self.kernels.device.cuda_stream();
         // SAFETY: the launches below write every element before anything reads it.
@@ -371,19 +396,33 @@ impl Q4Matrix {
             // SAFETY (all three): xs holds `rows` rows of k floats `ld` apart; frag NT · k/32
             // · 32 uint4 (allocated for the most n8 tiles a launch takes); the kernels touch
             // no more.
-            match &source {
+            match &mut source {
                 Source::Plain => {
                     let mut l = stream.launch_builder(&self.kernels.inputs);
                     l.arg(&xs).arg(&mut *frag).arg(&rows_i).arg(&k);
                     l.arg(&nt_i).arg(&split_i);
                     unsafe { l.launch(inputs_cfg)? };
                 }
-                Source::Normed(weight, eps) => {
-                    // Also: `weight` holds k floats (checked by the caller); the kernel's
-                    // sums hold at most 32 rows (`per_launch`) of 32 warps.
-                    let mut l = stream.launch_builder(&self.kernels.normed_inputs);
-                    l.arg(&xs).arg(weight).arg(&mut *frag).arg(&rows_i).arg(&k);
-                    l.arg(&nt_i).arg(&split_i).arg(eps);
+                Source::Normed { weight, eps, add } => {
+                    // Also: `weight` holds k floats (checked by the caller), `add` and `sum`
+                    // the rows as `xs` does, contiguous; the kernel's sums hold at most 32
+                    // rows (`per_launch`) of 32 warps.
+                    let mut l;
+                    let (hs, mut ss);
+                    match add {
+                        Some((h, sum)) => {
+                            hs = h.view(first, rows, self.k);
+                            ss = sum.slice_mut(first * self.k..(first + rows) * self.k);
+                            l = stream.launch_builder(&self.kernels.add_normed_inputs);
+                            l.arg(&xs).arg(&hs).arg(&mut ss);
+                        }
+                        None => {
+                            l = stream.launch_builder(&self.kernels.normed_inputs);
+                            l.arg(&xs);
+                        }
+                    }
+                    l.arg(&*weight).arg(&mut *frag).arg(&rows_i).arg(&k);
+                    l.arg(&nt_i).arg(&split_i).arg(&*eps);
                     unsafe { l.launch(inputs_cfg)? };
                 }
                 Source::SiluGated(up) => {
@@ -413,70 +452,85 @@ impl Q4Matrix {
         Ok(y)
     }
 
-    /// `x · Wᵀ` on the tensor cores, whatever the row count, launched as `shape` says (the
-    /// model takes [`MmaShape::for_matrix`]).
-    pub fn forward_mma(&self, x: &Tensor, shape: MmaShape) -> candle_core::Result<Tensor> {
+    /// The input rows and the output's dims for `x` by `shape`'s kernels.
+    fn mma_shapes(&self, x: &Tensor, shape: MmaShape) -> candle_core::Result<(usize, Vec<usize>)> {
         if shape.kernel_index(1).is_none() {
             candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
         }
-        let (m, out_dims) = self.shapes(x)?;
+        self.shapes(x)
+    }
+
+    /// `x · Wᵀ` on the tensor cores, whatever the row count, launched as `shape` says (the
+    /// model takes [`MmaShape::for_matrix`]).
+    pub fn forward_mma(&self, x: &Tensor, shape: MmaShape) -> candle_core::Result<Tensor> {
+        let (m, out_dims) = self.mma_shapes(x, shape)?;
         if m == 0 {
             return Tensor::zeros(out_dims, DType::F32, x.device());
         }
         let x = x.to_dtype(DType::F32)?.contiguous()?;
-        let (storage, layout) = x.storage_and_layout();
-        let Storage::Cuda(s) = &*storage else {
-            candle_core::bail!("a CUDA matrix given a {:?} input", x.device().location());
-        };
-        let rows = Rows {
-            data: s.as_cuda_slice::<f32>()?,
-            offset: layout.start_offset(),
-            ld: self.k,
-        };
-        let y = self
-            .mma(rows, m, shape, Source::Plain)
-            .map_err(candle_error)?;
+        let y = with_rows(&x, self.k, |rows| {
+            self.mma(rows, m, shape, Source::Plain)
+                .map_err(candle_error)
+        })?;
         Ok(wrap(&self.kernels.device, y, &out_dims))
     }
 
-    /// `rms_norm(x, weight, eps) · Wᵀ` on the tensor cores, the norm folded into the
-    /// launch that prepares the inputs.
+    /// `rms_norm(s, weight, eps) · Wᵀ` of `s = x + add` (`x` where nothing is added) on the
+    /// tensor cores, returned with `s`: the add and the norm folded into the launch that
+    /// prepares the inputs, which writes `s` as it reads it.
     pub fn forward_mma_normed(
+        &self,
+        x: &Tensor,
+        add: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f32,
+        shape: MmaShape,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (m, out_dims) = self.mma_shapes(x, shape)?;
+        if weight.dims() != [self.k] {
+            candle_core::bail!("norm weights {:?} for a width of {}", weight.dims(), self.k);
+        }
+        if let Some(h) = add.filter(|h| h.dims() != x.dims()) {
+            candle_core::bail!("a residual add of {:?} to {:?}", h.dims(), x.dims());
+        }
+        if m == 0 {
+            let y = Tensor::zeros(out_dims, DType::F32, x.device())?;
+            return Ok((residual_sum(x, add)?, y));
+        }
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
+        let weight = weight.to_dtype(DType::F32)?.contiguous()?;
+        let Some(add) = add else {
+            let y = self.mma_normed(&x, &weight, eps, m, shape, None)?;
+            return Ok((x, wrap(&self.kernels.device, y, &out_dims)));
+        };
+        let add = add.to_dtype(DType::F32)?.contiguous()?;
+        let stream = self.kernels.device.cuda_stream();
+        // SAFETY: the input launches write every row of the sum before anything reads it.
+        let mut sum = unsafe { stream.alloc::<f32>(m * self.k) }.map_err(candle_error)?;
+        let y = with_rows(&add, self.k, |h| {
+            self.mma_normed(&x, &weight, eps, m, shape, Some((h, &mut sum)))
+        })?;
+        let device = &self.kernels.device;
+        Ok((wrap(device, sum, x.dims()), wrap(device, y, &out_dims)))
+    }
+
+    /// [`Q4Matrix::forward_mma_normed`]'s launches, of contiguous f32 `x` and `weight`.
+    fn mma_normed(
         &self,
         x: &Tensor,
         weight: &Tensor,
         eps: f32,
+        m: usize,
         shape: MmaShape,
-    ) -> candle_core::Result<Tensor> {
-        if shape.kernel_index(1).is_none() {
-            candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
-        }
-        if weight.dims() != [self.k] {
-            candle_core::bail!("norm weights {:?} for a width of {}", weight.dims(), self.k);
-        }
-        let (m, out_dims) = self.shapes(x)?;
-        if m == 0 {
-            return Tensor::zeros(out_dims, DType::F32, x.device());
-        }
-        let x = x.to_dtype(DType::F32)?.contiguous()?;
-        let weight = weight.to_dtype(DType::F32)?.contiguous()?;
-        let (storage, layout) = x.storage_and_layout();
-        let (w_storage, w_layout) = weight.storage_and_layout();
-        let (Storage::Cuda(s), Storage::Cuda(ws)) = (&*storage, &*w_storage) else {
-            candle_core::bail!("a CUDA matrix given a {:?} input", x.device().location());
-        };
-        let w = ws
-            .as_cuda_slice::<f32>()?
-            .slice(w_layout.start_offset()..w_layout.start_offset() + self.k);
-        let rows = Rows {
-            data: s.as_cuda_slice::<f32>()?,
-            offset: layout.start_offset(),
-            ld: self.k,
-        };
-        let y = self
-            .mma(rows, m, shape, Source::Normed(w, eps))
-            .map_err(candle_error)?;
-        Ok(wrap(&self.kernels.device, y, &out_dims))
+        add: Option<(Rows<'_>, &mut CudaSlice<f32>)>,
+    ) -> candle_core::Result<CudaSlice<f32>> {
+        with_rows(weight, self.k, |w| {
+            with_rows(x, self.k, |rows| {
+                let weight = w.view(0, 1, self.k);
+                self.mma(rows, m, shape, Source::Normed { weight, eps, add })
+                    .map_err(candle_error)
+            })
+        })
     }
 
     /// `(silu(gate) · up) · Wᵀ` on the tensor cores, the activation and product folded into
@@ -488,13 +542,10 @@ impl Q4Matrix {
         up: &Tensor,
         shape: MmaShape,
     ) -> candle_core::Result<Tensor> {
-        if shape.kernel_index(1).is_none() {
-            candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
-        }
+        let (m, out_dims) = self.mma_shapes(gate, shape)?;
         if gate.dims() != up.dims() {
             candle_core::bail!("gate {:?} and up {:?} differ", gate.dims(), up.dims());
         }
-        let (m, out_dims) = self.shapes(gate)?;
         if m == 0 {
             return Tensor::zeros(out_dims, DType::F32, gate.device());
         }
@@ -507,24 +558,12 @@ impl Q4Matrix {
             // Rows the launch cannot address with one stride: the activation on its own.
             _ => return self.forward_mma(&(gate.silu()? * up)?, shape),
         };
-        let (g_storage, g_layout) = gate.storage_and_layout();
-        let (u_storage, u_layout) = up.storage_and_layout();
-        let (Storage::Cuda(gs), Storage::Cuda(us)) = (&*g_storage, &*u_storage) else {
-            candle_core::bail!("a CUDA matrix given a {:?} input", gate.device().location());
-        };
-        let rows = Rows {
-            data: gs.as_cuda_slice::<f32>()?,
-            offset: g_layout.start_offset(),
-            ld,
-        };
-        let up_rows = Rows {
-            data: us.as_cuda_slice::<f32>()?,
-            offset: u_layout.start_offset(),
-            ld,
-        };
-        let y = self
-            .mma(rows, m, shape, Source::SiluGated(up_rows))
-            .map_err(candle_error)?;
+        let y = with_rows(&up, ld, |up| {
+            with_rows(&gate, ld, |rows| {
+                self.mma(rows, m, shape, Source::SiluGated(up))
+                    .map_err(candle_error)
+            })
+        })?;
         Ok(wrap(&self.kernels.device, y, &out_dims))
     }
 
@@ -630,12 +669,21 @@ impl DeviceMatrix for Q4Matrix {
         }
     }
 
-    fn forward_normed(&self, x: &Tensor, weight: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    fn forward_normed(
+        &self,
+        x: &Tensor,
+        add: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f32,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let m = x.elem_count() / self.k.max(1);
         if m >= GEMM_FROM {
-            self.forward_gemm(&rms_norm(x, weight, eps)?)
+            let s = residual_sum(x, add)?;
+            let y = self.forward_gemm(&rms_norm(&s, weight, eps)?)?;
+            Ok((s, y))
         } else {
-            self.forward_mma_normed(x, weight, eps, MmaShape::for_matrix(self.n))
+            let shape = MmaShape::for_matrix(self.n);
+            self.forward_mma_normed(x, add, weight, eps, shape)
         }
     }
     fn as_any(&self) -> &dyn Any {

@@ -428,6 +428,21 @@ impl RmsNorm {
     }
 }
 
+/// The residual stream: `x`, plus the last block part's output `pending` where it is not
+/// added yet. The norm that reads the stream next adds it ([`Linear::forward_normed`]), so a
+/// device backend folds every residual add but the last into a matmul's input launch.
+pub(crate) struct Residual {
+    pub(crate) x: Tensor,
+    pub(crate) pending: Option<Tensor>,
+}
+
+impl Residual {
+    /// `x + pending`.
+    pub(crate) fn sum(&self) -> candle_core::Result<Tensor> {
+        crate::device_weights::residual_sum(&self.x, self.pending.as_ref())
+    }
+}
+
 /// RoPE tables for one forward: `(rows, tokens, head_dim / 2)`, for each base in use.
 pub(crate) struct Rope {
     cos: Tensor,
@@ -496,15 +511,19 @@ struct Projected {
 }
 
 impl Attention {
-    /// Projections of `norm(x)`.
-    fn project(&self, x: &Tensor, norm: &RmsNorm, rope: &Rope) -> candle_core::Result<Projected> {
-        let (b, n, _) = x.dims3()?;
+    /// Projections of `norm(s)`, with the stream's sum `s`.
+    fn project(
+        &self,
+        s: &Residual,
+        norm: &RmsNorm,
+        rope: &Rope,
+    ) -> candle_core::Result<(Tensor, Projected)> {
+        let (b, n, _) = s.x.dims3()?;
         let split = |t: Tensor, heads: usize, dim: usize| {
             t.reshape((b, n, heads, dim))?.transpose(1, 2)?.contiguous()
         };
-        let [q, k, v]: [Tensor; 3] = self
-            .qkv
-            .forward_normed(x, norm, self.qkv_bias.as_ref())?
+        let (x, qkv) = self.qkv.forward_normed(s, norm, self.qkv_bias.as_ref())?;
+        let [q, k, v]: [Tensor; 3] = qkv
             .try_into()
             .map_err(|_| candle_core::Error::Msg("attention needs three projections".into()))?;
         let q = split(q, self.heads, self.head_dim)?;
@@ -514,11 +533,12 @@ impl Attention {
             Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             None => (q, k),
         };
-        Ok(Projected {
+        let p = Projected {
             q: rope.apply(&q)?,
             k: rope.apply(&k)?,
             v,
-        })
+        };
+        Ok((x, p))
     }
 
     fn output(&self, attended: &Tensor) -> candle_core::Result<Tensor> {
@@ -531,14 +551,15 @@ impl Attention {
         )
     }
 
+    /// The stream's sum and the attention output.
     fn forward(
         &self,
-        x: &Tensor,
+        s: &Residual,
         norm: &RmsNorm,
         rope: &Rope,
         cache: &mut impl AttentionCache,
-    ) -> Result<Tensor, ModelError> {
-        let p = self.project(x, norm, rope)?;
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let (x, p) = self.project(s, norm, rope)?;
         cache.observe_queries(&p.q)?;
         let read = if p.q.dims()[2] == 1 {
             cache.append_decode(&p.k, &p.v)?
@@ -546,7 +567,7 @@ impl Attention {
             cache.append_window(&p.k, &p.v)?
         };
         let attended = read.attend(&p.q, self.scale)?;
-        Ok(self.output(&attended)?)
+        Ok((x, self.output(&attended)?))
     }
 }
 
@@ -561,19 +582,19 @@ struct Mlp {
 }
 
 impl Mlp {
-    /// The MLP of `norm(x)`.
-    fn forward(&self, x: &Tensor, norm: &RmsNorm) -> candle_core::Result<Tensor> {
-        let [gate, up]: [Tensor; 2] = self
-            .gate_up
-            .forward_normed(x, norm, None)?
+    /// The MLP of `norm(s)`, with the stream's sum `s`.
+    fn forward(&self, s: &Residual, norm: &RmsNorm) -> candle_core::Result<(Tensor, Tensor)> {
+        let (x, gate_up) = self.gate_up.forward_normed(s, norm, None)?;
+        let [gate, up]: [Tensor; 2] = gate_up
             .try_into()
             .map_err(|_| candle_core::Error::Msg("the MLP needs two projections".into()))?;
-        if self.gelu {
+        let y = if self.gelu {
             let gate = crate::activation::gelu_tanh(&gate, self.isa)?;
-            self.down.forward(&(gate * up)?)
+            self.down.forward(&(gate * up)?)?
         } else {
-            self.down.forward_silu_gated(&gate, &up)
-        }
+            self.down.forward_silu_gated(&gate, &up)?
+        };
+        Ok((x, y))
     }
 }
 
@@ -588,25 +609,39 @@ struct Block {
 }
 
 impl Block {
+    /// This block's table of [`Decoder::ropes`]'.
+    fn rope<'r>(&self, ropes: &'r [Option<Rope>; 2]) -> candle_core::Result<&'r Rope> {
+        ropes[usize::from(!self.sliding)]
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("no RoPE table for a layer's kind".into()))
+    }
+
     /// The residual stream around attention (given as a closure of the stream and the norm
-    /// its projections take, so the cached and the uncached reference forward share
-    /// everything else) and the MLP. The norms travel with their inputs so that a device
-    /// backend can fold each into its matmul's input preparation.
+    /// its projections take, returning the stream's sum and its output, so the cached and
+    /// the uncached reference forward share everything else) and the MLP. The norms travel
+    /// with their inputs, and each part's output is left pending in the stream, so that a
+    /// device backend can fold the add and the norm into the next matmul's input launch.
     fn forward(
         &self,
-        x: &Tensor,
-        attend: impl FnOnce(&Tensor, &RmsNorm) -> Result<Tensor, ModelError>,
-    ) -> Result<Tensor, ModelError> {
+        s: &Residual,
+        attend: impl FnOnce(&Residual, &RmsNorm) -> Result<(Tensor, Tensor), ModelError>,
+    ) -> Result<Residual, ModelError> {
         let post = |h: Tensor, i: usize| -> candle_core::Result<Tensor> {
             match &self.post_norms {
                 Some(norms) => [&norms.0, &norms.1][i].forward(&h),
                 None => Ok(h),
             }
         };
-        let h = attend(x, &self.attn_norm)?;
-        let x = (x + post(h, 0)?)?;
-        let h = self.mlp.forward(&x, &self.ffn_norm)?;
-        Ok((x + post(h, 1)?)?)
+        let (x, h) = attend(s, &self.attn_norm)?;
+        let s = Residual {
+            x,
+            pending: Some(post(h, 0)?),
+        };
+        let (x, h) = self.mlp.forward(&s, &self.ffn_norm)?;
+        Ok(Residual {
+            x,
+            pending: Some(post(h, 1)?),
+        })
     }
 }
 
@@ -813,23 +848,38 @@ impl Decoder {
         Ok((x * (self.config.hidden as f64).sqrt())?)
     }
 
-    fn ropes(&self, positions: &[Vec<usize>]) -> candle_core::Result<(Rope, Rope)> {
+    /// The RoPE tables of the sliding and the global layers, each built (and uploaded) only
+    /// where some layer takes it.
+    fn ropes(&self, positions: &[Vec<usize>]) -> candle_core::Result<[Option<Rope>; 2]> {
         let pairs = self.config.arch.rope_interleaved();
-        Ok((
-            Rope::new(positions, &self.rope_local, pairs, &self.device)?,
-            Rope::new(positions, &self.rope_global, pairs, &self.device)?,
-        ))
+        let table = |sliding: bool, inv: &[f64]| {
+            self.blocks
+                .iter()
+                .any(|b| b.sliding == sliding)
+                .then(|| Rope::new(positions, inv, pairs, &self.device))
+                .transpose()
+        };
+        Ok([
+            table(true, &self.rope_local)?,
+            table(false, &self.rope_global)?,
+        ])
     }
 
-    fn logits(&self, x: &Tensor, mode: LogitsMode) -> Result<Tensor, ModelError> {
-        let x = match mode {
-            LogitsMode::Last => {
-                let (_, n, _) = x.dims3()?;
-                x.narrow(1, n.saturating_sub(1), 1)?
+    fn logits(&self, s: &Residual, mode: LogitsMode) -> Result<Tensor, ModelError> {
+        let last = |t: &Tensor| -> candle_core::Result<Tensor> {
+            match mode {
+                LogitsMode::Last => {
+                    let (_, n, _) = t.dims3()?;
+                    t.narrow(1, n.saturating_sub(1), 1)
+                }
+                LogitsMode::All => Ok(t.clone()),
             }
-            LogitsMode::All => x.clone(),
         };
-        Ok(self.output.forward_normed(&x, &self.final_norm)?)
+        let s = Residual {
+            x: last(&s.x)?,
+            pending: s.pending.as_ref().map(last).transpose()?,
+        };
+        Ok(self.output.forward_normed(&s, &self.final_norm)?.1)
     }
 
     /// Runs `tokens` `(rows, n)` through the model, appending to `cache`: a prefill chunk
@@ -866,14 +916,17 @@ impl Decoder {
             .zip(cache.left_pad())
             .map(|(&end, &pad)| (end..end + n).map(|p| p.saturating_sub(pad)).collect())
             .collect();
-        let (local, global) = self.ropes(&positions)?;
-        let mut x = self.embed(tokens)?;
+        let ropes = self.ropes(&positions)?;
+        let mut s = Residual {
+            x: self.embed(tokens)?,
+            pending: None,
+        };
         for (i, block) in self.blocks.iter().enumerate() {
-            let rope = if block.sliding { &local } else { &global };
+            let rope = block.rope(&ropes)?;
             let layer = cache.layer_mut(i);
-            x = block.forward(&x, |h, norm| block.attn.forward(h, norm, rope, layer))?;
+            s = block.forward(&s, |s, norm| block.attn.forward(s, norm, rope, layer))?;
         }
-        self.logits(&x, mode)
+        self.logits(&s, mode)
     }
 
     /// One pass over a whole single sequence with no cache: attention computed directly
@@ -886,17 +939,17 @@ impl Decoder {
         }
         let ids = Tensor::from_slice(tokens, (1, n), &self.device)?;
         let positions = vec![(0..n).collect::<Vec<_>>()];
-        let (local, global) = self.ropes(&positions)?;
-        let mut x = self.embed(&ids)?;
+        let ropes = self.ropes(&positions)?;
+        let mut s = Residual {
+            x: self.embed(&ids)?,
+            pending: None,
+        };
         for block in &self.blocks {
-            let (rope, window) = if block.sliding {
-                (&local, self.config.sliding_window)
-            } else {
-                (&global, None)
-            };
-            x = block.forward(&x, |h, norm| {
+            let rope = block.rope(&ropes)?;
+            let window = self.config.sliding_window.filter(|_| block.sliding);
+            s = block.forward(&s, |s, norm| {
                 let a = &block.attn;
-                let p = a.project(h, norm, rope)?;
+                let (x, p) = a.project(s, norm, rope)?;
                 let mut mask = vec![0f32; n * n];
                 for q in 0..n {
                     for k in 0..n {
@@ -911,10 +964,10 @@ impl Decoder {
                 let v = repeat_kv(&p.v, group)?;
                 let scores = (p.q.matmul(&k.t()?)? * a.scale as f64)?.broadcast_add(&mask)?;
                 let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-                Ok(a.output(&probs.matmul(&v)?)?)
+                Ok((x, a.output(&probs.matmul(&v)?)?))
             })?;
         }
-        self.logits(&x, LogitsMode::All)
+        self.logits(&s, LogitsMode::All)
     }
 }
 

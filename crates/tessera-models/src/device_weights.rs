@@ -15,11 +15,20 @@ pub trait DeviceMatrix: Send + Sync {
     fn in_features(&self) -> usize;
     /// `x · Wᵀ` for f32 `x` of shape `(…, in_features)`: f32 `(…, out_features)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
-    /// `rms_norm(x, weight, eps) · Wᵀ` ([`rms_norm`]). A backend that prepares its inputs in
-    /// a launch of its own folds the norm into it: one launch fewer per normed matmul, three
-    /// a decode layer.
-    fn forward_normed(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
-        self.forward(&rms_norm(x, weight, eps)?)
+    /// `rms_norm(s, weight, eps) · Wᵀ` ([`rms_norm`]) of the residual stream `s = x + add`
+    /// (`x` where nothing is added), returned with `s`. A backend that prepares its inputs
+    /// in a launch of its own folds the add and the norm into it, writing `s` as it reads
+    /// it: one launch fewer per normed matmul and one per residual add, four a decode layer.
+    fn forward_normed(
+        &self,
+        x: &Tensor,
+        add: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let s = residual_sum(x, add)?;
+        let y = self.forward(&rms_norm(&s, weight, eps)?)?;
+        Ok((s, y))
     }
     /// `(silu(gate) · up) · Wᵀ`, a gated MLP's down projection; as with the norm, a backend
     /// folds the activation and product into its input preparation.
@@ -43,6 +52,14 @@ pub trait WeightBackend: Send + Sync {
 /// RMSNorm over the last dimension, `x / sqrt(mean(x²) + eps) · weight` (candle's op).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps)
+}
+
+/// `x + add`, or `x` where nothing is added.
+pub fn residual_sum(x: &Tensor, add: Option<&Tensor>) -> Result<Tensor> {
+    match add {
+        Some(h) => x + h,
+        None => Ok(x.clone()),
+    }
 }
 
 static BACKEND: OnceLock<Box<dyn WeightBackend>> = OnceLock::new();

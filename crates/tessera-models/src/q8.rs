@@ -13,7 +13,7 @@
 //! At AVX-512 VNNI, several rows run two blocks at a time in 512-bit registers. At [`Isa::Amx`], 16 or
 //! more activation rows go to AMX int8 tiles instead ([`crate::q8_amx`]).
 
-use crate::decoder::RmsNorm;
+use crate::decoder::{Residual, RmsNorm};
 use crate::device_weights::rms_norm;
 use crate::kquant::KMatrix;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
@@ -772,12 +772,17 @@ impl Linear {
         }
     }
 
-    /// `norm(x) · Wᵀ`: on a device backend, the norm is folded into the matmul's input
+    /// `norm(s) · Wᵀ` of the residual stream `s` ([`Residual::sum`]), returned with `s`: on a
+    /// device backend, the pending add and the norm are folded into the matmul's input
     /// preparation ([`crate::device_weights::DeviceMatrix::forward_normed`]).
-    pub(crate) fn forward_normed(&self, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+    pub(crate) fn forward_normed(&self, s: &Residual, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
         match self {
-            Linear::Device(m) => m.forward_normed(x, &norm.weight, norm.eps),
-            _ => self.forward(&rms_norm(x, &norm.weight, norm.eps)?),
+            Linear::Device(m) => m.forward_normed(&s.x, s.pending.as_ref(), &norm.weight, norm.eps),
+            _ => {
+                let sum = s.sum()?;
+                let y = self.forward(&rms_norm(&sum, &norm.weight, norm.eps)?)?;
+                Ok((sum, y))
+            }
         }
     }
 
@@ -936,40 +941,34 @@ impl Projections {
         self.forward_biased(x, None)
     }
 
+    /// [`Projections::forward_biased`] of `norm(s)` for the residual stream `s`, returned
+    /// with `s` ([`Residual::sum`]): a stacked device matrix folds the pending add and the
+    /// norm into its input preparation, separate parts share one sum and one norm.
+    pub(crate) fn forward_normed(
+        &self,
+        s: &Residual,
+        norm: &RmsNorm,
+        bias: Option<&Tensor>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        match self {
+            Projections::Separate(_) => {
+                let sum = s.sum()?;
+                let normed = rms_norm(&sum, &norm.weight, norm.eps)?;
+                Ok((sum, self.forward_biased(&normed, bias)?))
+            }
+            Projections::Stacked { matrix, widths } => {
+                let (sum, all) = matrix.forward_normed(s, norm)?;
+                Ok((sum, Self::split_biased(all, widths, bias)?))
+            }
+        }
+    }
+
     /// [`Projections::forward`] plus `bias`, the parts' biases concatenated (one value per
     /// output row of the stack, in part order): added once to the stacked output before the
     /// split, or split per part for separate matmuls.
     pub fn forward_biased(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Vec<Tensor>> {
-        self.forward_inputs(x, None, bias)
-    }
-
-    /// [`Projections::forward_biased`] of `norm(x)`: a stacked device matrix folds the norm
-    /// into its input preparation, separate parts share one norm.
-    pub(crate) fn forward_normed(
-        &self,
-        x: &Tensor,
-        norm: &RmsNorm,
-        bias: Option<&Tensor>,
-    ) -> Result<Vec<Tensor>> {
-        self.forward_inputs(x, Some(norm), bias)
-    }
-
-    fn forward_inputs(
-        &self,
-        x: &Tensor,
-        norm: Option<&RmsNorm>,
-        bias: Option<&Tensor>,
-    ) -> Result<Vec<Tensor>> {
         match self {
             Projections::Separate(parts) => {
-                let normed;
-                let x = match norm {
-                    Some(n) => {
-                        normed = rms_norm(x, &n.weight, n.eps)?;
-                        &normed
-                    }
-                    None => x,
-                };
                 let mut start = 0;
                 let outs = parts
                     .iter()
@@ -995,25 +994,27 @@ impl Projections {
                 Ok(outs)
             }
             Projections::Stacked { matrix, widths } => {
-                let mut all = match norm {
-                    Some(n) => matrix.forward_normed(x, n)?,
-                    None => matrix.forward(x)?,
-                };
-                if let Some(bias) = bias {
-                    all = all.broadcast_add(bias)?;
-                }
-                let last = all.rank() - 1;
-                let mut start = 0;
-                widths
-                    .iter()
-                    .map(|&w| {
-                        let part = all.narrow(last, start, w);
-                        start += w;
-                        part
-                    })
-                    .collect()
+                Self::split_biased(matrix.forward(x)?, widths, bias)
             }
         }
+    }
+
+    /// A stacked output plus `bias`, split into its parts of `widths`.
+    fn split_biased(all: Tensor, widths: &[usize], bias: Option<&Tensor>) -> Result<Vec<Tensor>> {
+        let all = match bias {
+            Some(bias) => all.broadcast_add(bias)?,
+            None => all,
+        };
+        let last = all.rank() - 1;
+        let mut start = 0;
+        widths
+            .iter()
+            .map(|&w| {
+                let part = all.narrow(last, start, w);
+                start += w;
+                part
+            })
+            .collect()
     }
 }
 
