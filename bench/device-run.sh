@@ -58,7 +58,7 @@ export LD_LIBRARY_PATH=$NV:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 B=/tmp/tessera-bin; mkdir -p $B
 # Always unpacked: a warm machine may still hold an older build under the same name.
 for f in .device/*.gz; do [ -f "$f" ] || continue; n=$(basename $f .gz); gunzip -c $f > $B/$n && chmod +x $B/$n; done
-T=$B/tessera
+T=$B/${TESSERA_BIN:-tessera} # the carried CLI binary the steps run (TESSERA_BIN: another)
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 STAGED=${STAGED:-/tmp/stage/gemma-3-270m-q4_k_m.gguf}
 log() { echo "== $*"; }

@@ -87,3 +87,31 @@ fn streamed_text_holds_a_character_split_over_byte_tokens() {
     assert!(rest.contains('\u{FFFD}'), "{rest:?}");
     assert_eq!(shown + &rest, tok.decode(&ids[..at + 2]).unwrap());
 }
+
+#[test]
+fn a_long_stream_of_real_text_equals_its_whole_decode() {
+    use tessera_engine::TextStream;
+    use tessera_models::{GgufFile, Tokenizer};
+    // Gemma's SentencePiece vocabulary and Qwen's byte-level BPE: thousands of tokens of
+    // real text streamed through the windowed detokenizer give the text of one decode
+    // (a window start inside a word, a space or a multi-byte character included: the
+    // corpus's quotes and dashes are several bytes).
+    let text = common::corpus();
+    let text = &text[..text
+        .char_indices()
+        .nth(12_000)
+        .map_or(text.len(), |(i, _)| i)];
+    for path in [common::model_path(), common::qwen_path()] {
+        let gguf = GgufFile::open(&path).unwrap();
+        let tok = Tokenizer::from_gguf(&gguf).unwrap();
+        let ids = tok.encode(text, false).unwrap();
+        assert!(ids.len() > 50 * TextStream::WINDOW, "{}", ids.len());
+        let mut stream = TextStream::new();
+        let mut streamed = String::new();
+        for &id in &ids {
+            streamed.push_str(&stream.push(&tok, id).unwrap());
+        }
+        streamed.push_str(&stream.finish());
+        assert_eq!(streamed, tok.decode(&ids).unwrap(), "{}", path.display());
+    }
+}

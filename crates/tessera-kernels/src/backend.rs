@@ -466,6 +466,13 @@ impl CudaPlanes {
         row0: usize,
     ) -> Result<(), KvError> {
         let (b, h, n, d) = keys.dims4()?;
+        if values.dims() != keys.dims() {
+            return Err(KvError::Device(format!(
+                "one encode launch for keys {:?} and values {:?}",
+                keys.dims(),
+                values.dims()
+            )));
+        }
         if b * h * n == 0 {
             return Ok(());
         }

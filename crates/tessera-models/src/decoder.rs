@@ -430,7 +430,8 @@ impl RmsNorm {
 
 /// The residual stream: `x`, plus the last block part's output `pending` where it is not
 /// added yet. The norm that reads the stream next adds it ([`Linear::forward_normed`]), so a
-/// device backend folds every residual add but the last into a matmul's input launch.
+/// device backend folds every residual add into a matmul's input launch (the last into the
+/// output layer's).
 pub(crate) struct Residual {
     pub(crate) x: Tensor,
     pub(crate) pending: Option<Tensor>,
@@ -609,7 +610,7 @@ struct Block {
 }
 
 impl Block {
-    /// This block's table of [`Decoder::ropes`]'.
+    /// This block's table among [`Decoder::ropes`].
     fn rope<'r>(&self, ropes: &'r [Option<Rope>; 2]) -> candle_core::Result<&'r Rope> {
         ropes[usize::from(!self.sliding)]
             .as_ref()
