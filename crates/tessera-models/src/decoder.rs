@@ -512,7 +512,8 @@ struct Projected {
 }
 
 impl Attention {
-    /// Projections of `norm(s)`, with the stream's sum `s`.
+    /// Projections of `norm(s)`, with the stream's sum `s`. Queries and keys take one RoPE
+    /// op together (their heads side by side), unless they take norms of their own first.
     fn project(
         &self,
         s: &Residual,
@@ -523,23 +524,27 @@ impl Attention {
         let split = |t: Tensor, heads: usize, dim: usize| {
             t.reshape((b, n, heads, dim))?.transpose(1, 2)?.contiguous()
         };
-        let (x, qkv) = self.qkv.forward_normed(s, norm, self.qkv_bias.as_ref())?;
-        let [q, k, v]: [Tensor; 3] = qkv
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("attention needs three projections".into()))?;
-        let q = split(q, self.heads, self.head_dim)?;
-        let k = split(k, self.kv_heads, self.head_dim)?;
+        let bias = self.qkv_bias.as_ref();
+        let missing = || candle_core::Error::Msg("attention needs three projections".into());
+        let (x, q, k, v) = match &self.qk_norm {
+            None => {
+                let (x, parts) = self.qkv.forward_normed(s, norm, bias, &[2, 1])?;
+                let [qk, v]: [Tensor; 2] = parts.try_into().map_err(|_| missing())?;
+                let heads = self.heads + self.kv_heads;
+                let qk = rope.apply(&split(qk, heads, self.head_dim)?)?;
+                let q = qk.narrow(1, 0, self.heads)?;
+                (x, q, qk.narrow(1, self.heads, self.kv_heads)?, v)
+            }
+            Some((qn, kn)) => {
+                let (x, parts) = self.qkv.forward_normed(s, norm, bias, &[1, 1, 1])?;
+                let [q, k, v]: [Tensor; 3] = parts.try_into().map_err(|_| missing())?;
+                let q = rope.apply(&qn.forward(&split(q, self.heads, self.head_dim)?)?)?;
+                let k = rope.apply(&kn.forward(&split(k, self.kv_heads, self.head_dim)?)?)?;
+                (x, q, k, v)
+            }
+        };
         let v = split(v, self.kv_heads, self.value_dim)?;
-        let (q, k) = match &self.qk_norm {
-            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
-            None => (q, k),
-        };
-        let p = Projected {
-            q: rope.apply(&q)?,
-            k: rope.apply(&k)?,
-            v,
-        };
-        Ok((x, p))
+        Ok((x, Projected { q, k, v }))
     }
 
     fn output(&self, attended: &Tensor) -> candle_core::Result<Tensor> {
@@ -585,7 +590,7 @@ struct Mlp {
 impl Mlp {
     /// The MLP of `norm(s)`, with the stream's sum `s`.
     fn forward(&self, s: &Residual, norm: &RmsNorm) -> candle_core::Result<(Tensor, Tensor)> {
-        let (x, gate_up) = self.gate_up.forward_normed(s, norm, None)?;
+        let (x, gate_up) = self.gate_up.forward_normed(s, norm, None, &[1, 1])?;
         let [gate, up]: [Tensor; 2] = gate_up
             .try_into()
             .map_err(|_| candle_core::Error::Msg("the MLP needs two projections".into()))?;

@@ -943,22 +943,48 @@ impl Projections {
 
     /// [`Projections::forward_biased`] of `norm(s)` for the residual stream `s`, returned
     /// with `s` ([`Residual::sum`]): a stacked device matrix folds the pending add and the
-    /// norm into its input preparation, separate parts share one sum and one norm.
+    /// norm into its input preparation, separate parts share one sum and one norm. Output
+    /// `i` joins the next `joined[i]` parts (a stacked matrix's columns as one view, no
+    /// copy; separate parts concatenated), so that an op over several of them is one op.
     pub(crate) fn forward_normed(
         &self,
         s: &Residual,
         norm: &RmsNorm,
         bias: Option<&Tensor>,
+        joined: &[usize],
     ) -> Result<(Tensor, Vec<Tensor>)> {
+        let parts = match self {
+            Projections::Stacked { widths, .. } => widths.len(),
+            Projections::Separate(parts) => parts.len(),
+        };
+        if joined.iter().sum::<usize>() != parts || joined.contains(&0) {
+            candle_core::bail!("{parts} projections joined as {joined:?}");
+        }
         match self {
             Projections::Separate(_) => {
                 let sum = s.sum()?;
                 let normed = rms_norm(&sum, &norm.weight, norm.eps)?;
-                Ok((sum, self.forward_biased(&normed, bias)?))
+                let mut outs = self.forward_biased(&normed, bias)?.into_iter();
+                let joined = joined
+                    .iter()
+                    .map(|&j| {
+                        let group: Vec<Tensor> = outs.by_ref().take(j).collect();
+                        match group.as_slice() {
+                            [one] => Ok(one.clone()),
+                            _ => Tensor::cat(&group, candle_core::D::Minus1),
+                        }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((sum, joined))
             }
             Projections::Stacked { matrix, widths } => {
                 let (sum, all) = matrix.forward_normed(s, norm)?;
-                Ok((sum, Self::split_biased(all, widths, bias)?))
+                let mut parts = widths.iter();
+                let widths: Vec<usize> = joined
+                    .iter()
+                    .map(|&j| parts.by_ref().take(j).sum())
+                    .collect();
+                Ok((sum, Self::split_biased(all, &widths, bias)?))
             }
         }
     }
