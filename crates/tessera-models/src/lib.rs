@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod kquant;
 pub mod q8;
 mod q8_amx;
+mod q8_x16;
 mod q8_x8;
 mod shares;
 pub mod synth;

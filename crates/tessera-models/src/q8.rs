@@ -46,9 +46,32 @@ pub struct Q8Matrix {
     /// kernel reads them (see [`crate::q8_amx::tile_scales`]; 6% more bytes than the
     /// codes alone); empty otherwise.
     tile_d: Vec<u16>,
-    /// Created at [`Isa::Avx2`] (capped): the whole groups of eight rows are interleaved
-    /// in `qs` and `d` for the AVX2 kernels ([`crate::q8_x8`]), the rest row-major.
-    x8: bool,
+    /// How the whole groups of rows sit in `qs` and `d` (the rest row-major).
+    layout: Layout,
+}
+
+/// How a [`Q8Matrix`] keeps its whole groups of rows ([`crate::q8_x8`] says where each
+/// code sits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// Row-major throughout: at [`Isa::Amx`] (whose tiles read rows) and off x86-64.
+    Rows,
+    /// Groups of eight, for the AVX2 kernels ([`crate::q8_x8`]).
+    X8,
+    /// Groups of sixteen with offset codes, for the AVX-512 VNNI kernels
+    /// ([`crate::q8_x16`]).
+    X16,
+}
+
+impl Layout {
+    /// Rows in a group (1 for row-major: every row its own).
+    fn group(self) -> usize {
+        match self {
+            Layout::Rows => 1,
+            Layout::X8 => crate::q8_x8::GROUP,
+            Layout::X16 => crate::q8_x16::GROUP,
+        }
+    }
 }
 
 /// Int8 codes in 64-byte aligned storage: a 32-byte block of a row (k a multiple of 32)
@@ -118,9 +141,16 @@ impl Q8Matrix {
     /// Over row-major codes and scales.
     fn new(n: usize, k: usize, mut qs: Codes, mut d: Vec<u16>, isa: Isa) -> Self {
         let (amx, vnni) = (isa.amx(), isa.vnni());
-        let x8 = cfg!(target_arch = "x86_64") && !vnni;
-        if x8 {
-            crate::q8_x8::interleave(&mut qs, &mut d, n, k, true);
+        let layout = match (cfg!(target_arch = "x86_64"), amx, vnni) {
+            (false, _, _) | (true, true, _) => Layout::Rows,
+            (true, false, true) => Layout::X16,
+            (true, false, false) => Layout::X8,
+        };
+        if layout != Layout::Rows {
+            crate::q8_x8::interleave(&mut qs, &mut d, n, k, layout.group(), true);
+        }
+        if layout == Layout::X16 {
+            crate::q8_x16::flip_grouped(&mut qs, n, k);
         }
         #[cfg(target_arch = "x86_64")]
         let tile_d = if amx {
@@ -138,7 +168,16 @@ impl Q8Matrix {
             amx,
             vnni,
             tile_d,
-            x8,
+            layout,
+        }
+    }
+
+    /// The rows that sit in whole groups (the rest are row-major): none where the matrix
+    /// is row-major throughout.
+    fn grouped_rows(&self) -> usize {
+        match self.layout {
+            Layout::Rows => 0,
+            l => self.n / l.group() * l.group(),
         }
     }
 
@@ -147,8 +186,11 @@ impl Q8Matrix {
         let mut qs = Codes::zeroed(self.qs.len());
         qs.copy_from_slice(&self.qs);
         let mut d = self.d.clone();
-        if self.x8 {
-            crate::q8_x8::interleave(&mut qs, &mut d, self.n, self.k, false);
+        if self.layout == Layout::X16 {
+            crate::q8_x16::flip_grouped(&mut qs, self.n, self.k);
+        }
+        if self.layout != Layout::Rows {
+            crate::q8_x8::interleave(&mut qs, &mut d, self.n, self.k, self.layout.group(), false);
         }
         (qs, d)
     }
@@ -221,7 +263,15 @@ impl Q8Matrix {
             self.n,
             self.k
         );
-        let acts = QuantizedActs::new(x, m, self.k, self.uses_amx(m), self.vnni);
+        let acts = QuantizedActs::new(
+            x,
+            m,
+            self.k,
+            self.uses_amx(m),
+            // The 512-bit tile's scales (row-major VNNI matrices: the AMX level).
+            self.vnni && self.layout == Layout::Rows,
+            self.layout == Layout::X16,
+        );
         #[cfg(target_arch = "x86_64")]
         if let Some(tiles) = &acts.tiles {
             self.matmul_amx(&acts, tiles, out);
@@ -229,17 +279,23 @@ impl Q8Matrix {
         }
         let out_ptr = out as usize;
         #[cfg(target_arch = "x86_64")]
-        if self.x8 {
-            // Whole groups of eight rows, then tiles of four over the rows past them.
-            let groups = self.n / crate::q8_x8::GROUP;
-            let first = groups * crate::q8_x8::GROUP;
+        if self.layout != Layout::Rows {
+            // Whole groups of rows, then tiles of four over the rows past them.
+            let group = self.layout.group();
+            let groups = self.n / group;
+            let first = groups * group;
             let items = groups + (self.n - first).div_ceil(4);
             let run = |item: usize| {
                 let out = out_ptr as *mut f32;
-                // SAFETY: `x8` is set only where this CPU runs AVX2 (a Q8Matrix exists from
-                // that level); each item writes only its own output columns.
+                // SAFETY: `X8` is set only where this CPU runs AVX2 (a Q8Matrix exists from
+                // that level) and `X16` only where it runs AVX-512 VNNI, whose offsets
+                // `acts` then holds; each item writes only its own output columns.
                 unsafe {
-                    if item < groups {
+                    if item >= groups && self.layout == Layout::X16 {
+                        self.tail_columns(&acts, first + 4 * (item - groups), out)
+                    } else if item >= groups {
+                        self.tile_columns(&acts, first + 4 * (item - groups), out)
+                    } else if self.layout == Layout::X8 {
                         crate::q8_x8::run(
                             &self.qs,
                             &self.d,
@@ -248,16 +304,28 @@ impl Q8Matrix {
                             &acts.q,
                             &acts.d,
                             0..m,
-                            out.add(crate::q8_x8::GROUP * item),
+                            out.add(group * item),
                             self.n,
                         )
                     } else {
-                        self.tile_columns(&acts, first + 4 * (item - groups), out)
+                        crate::q8_x16::run(
+                            &self.qs,
+                            &self.d,
+                            self.k,
+                            item,
+                            &acts.q,
+                            &acts.d,
+                            &acts.offsets,
+                            0..m,
+                            out.add(group * item),
+                            self.n,
+                        )
                     }
                 }
             };
             if m == 1 {
-                let bytes = |item: usize| if item < groups { 2 } else { 1 };
+                // A group streams group / 4 times a tile's bytes.
+                let bytes = |item: usize| if item < groups { group / 4 } else { 1 };
                 crate::shares::stream(items, bytes, run);
             } else {
                 candle_core::utils::barrier_pool()
@@ -316,6 +384,22 @@ impl Q8Matrix {
                 }
             }
         });
+    }
+
+    /// All activation rows against weight rows `j0 .. j0 + 4` (fewer at the end) of a
+    /// [`Layout::X16`] matrix's row-major rest, with the groups' arithmetic ([`exact_dot`]):
+    /// a row's output then does not depend on whether a stack put it in a group.
+    ///
+    /// # Safety
+    /// The matrix is [`Layout::X16`] (made where this CPU runs AVX-512 VNNI); `out` is
+    /// valid for writes of m × n floats.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tail_columns(&self, acts: &QuantizedActs, j0: usize, out: *mut f32) {
+        for j in j0..(j0 + 4).min(self.n) {
+            for i in 0..acts.m {
+                *out.add(i * self.n + j) = exact_dot(self, acts, i, j);
+            }
+        }
     }
 
     /// All activation rows against weight rows `j0 .. j0 + 4` (fewer at the end).
@@ -390,6 +474,9 @@ struct QuantizedActs {
     /// Per pair of blocks, the two scales each repeated 8 times: the 16 lanes of one
     /// 512-bit step of the multi-row kernel.
     d2: Vec<f32>,
+    /// Per block, −128 · its codes' sum: what the offset codes of [`Layout::X16`] add
+    /// ([`crate::q8_x16::block_offsets`]); empty for other layouts.
+    offsets: Vec<i32>,
     /// The rows as AMX B tiles, where the matmul runs on AMX.
     #[cfg(target_arch = "x86_64")]
     tiles: Option<TileActs>,
@@ -399,7 +486,8 @@ impl QuantizedActs {
     /// `amx`: also repack the rows as AMX B tiles ([`Q8Matrix::uses_amx`]), in the same
     /// parallel pass (one 16-row chunk is one tile).
     /// `wide`: also the scales in the order of the 512-bit kernel (AVX-512 VNNI).
-    fn new(x: &[f32], m: usize, k: usize, amx: bool, wide: bool) -> Self {
+    /// `offsets`: also the blocks' offsets for [`Layout::X16`].
+    fn new(x: &[f32], m: usize, k: usize, amx: bool, wide: bool, offsets: bool) -> Self {
         let kb = k / BLOCK;
         let mut q = vec![0i8; m * k];
         let mut d = vec![0f32; m * kb];
@@ -462,11 +550,16 @@ impl QuantizedActs {
         } else {
             Vec::new()
         };
+        let offsets = match offsets {
+            true => crate::q8_x16::block_offsets(&q),
+            false => Vec::new(),
+        };
         QuantizedActs {
             m,
             q,
             d,
             d2,
+            offsets,
             #[cfg(target_arch = "x86_64")]
             tiles,
         }
@@ -631,6 +724,33 @@ unsafe fn f16_bits_to_f32(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
+/// Activation row `i` against row-major weight row `j` as [`crate::q8_x16`]'s groups form
+/// it: per block the exact integer sum, then in block order `acc += f32(sum) · (d_w · d_a)`
+/// with one rounding (a fused multiply-add), so the result equals a group lane's bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn exact_dot(w: &Q8Matrix, a: &QuantizedActs, i: usize, j: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let (k, kb) = (w.k, w.k / BLOCK);
+    let (wq, wd) = (w.qs.as_ptr().add(j * k), w.d.as_ptr().add(j * kb));
+    let (aq, ad) = (a.q.as_ptr().add(i * k), a.d.as_ptr().add(i * kb));
+    let mut acc = 0f32;
+    for b in 0..kb {
+        let wv = _mm256_loadu_si256(wq.add(b * BLOCK) as *const __m256i);
+        let av = _mm256_loadu_si256(aq.add(b * BLOCK) as *const __m256i);
+        let dot = block_dot::<true>(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+        let s = _mm_add_epi32(
+            _mm256_castsi256_si128(dot),
+            _mm256_extracti128_si256(dot, 1),
+        );
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        let sum = _mm_cvtsi128_si32(s) as f32;
+        acc = sum.mul_add(f16_bits_to_f32(*wd.add(b)) * *ad.add(b), acc);
+    }
+    acc
+}
+
 /// [`row_dot_body`] at AVX-512 VNNI.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -716,13 +836,17 @@ impl Q8Matrix {
     /// Row `j` dequantized: an embedding lookup on a tied matrix.
     pub fn row(&self, j: usize) -> Vec<f32> {
         let kb = self.k / BLOCK;
-        // Without interleaving, every row reads as one past the last whole group.
-        let n = if self.x8 { self.n } else { 0 };
+        let group = self.layout.group();
+        // Offset codes are flipped back.
+        let flip = match self.layout == Layout::X16 && j < self.grouped_rows() {
+            true => i8::MIN,
+            false => 0,
+        };
         (0..self.k)
             .map(|e| {
-                self.qs[crate::q8_x8::code_at(j, e, n, self.k)] as f32
-                    * half::f16::from_bits(self.d[crate::q8_x8::scale_at(j, e / BLOCK, n, kb)])
-                        .to_f32()
+                let at = crate::q8_x8::code_at(j, e, self.n, self.k, group);
+                let scale = crate::q8_x8::scale_at(j, e / BLOCK, self.n, kb, group);
+                (self.qs[at] ^ flip) as f32 * half::f16::from_bits(self.d[scale]).to_f32()
             })
             .collect()
     }
@@ -1399,35 +1523,30 @@ pub(crate) mod tests {
         }
     }
 
-    /// GFLOP/s of the VNNI kernel and the AMX tiles on Gemma 3 270M's shapes (run with
-    /// `--ignored --nocapture`; the AMX rows only where AMX is detected). `warm`: one
-    /// matrix again and again (in cache if it fits); `cold`: cycling through copies of
-    /// 192 MB in all, as a forward pass streams its weights from memory.
+    /// GFLOP/s of the Q8_0 kernels at each level this CPU runs from AVX2 (the groups of
+    /// eight, of sixteen, the AMX tiles) on Gemma 3 270M's shapes (run with `--ignored
+    /// --nocapture`). `warm`: one matrix again and again (in cache if it fits); `cold`:
+    /// cycling through copies of 192 MB in all, as a forward pass streams its weights from
+    /// memory.
     #[test]
     #[ignore]
     fn q8_matmul_speed() {
-        let top = Isa::detected();
+        let levels: Vec<Isa> = [Isa::Avx2, Isa::Avx512Vnni, Isa::Amx]
+            .into_iter()
+            .filter(|l| *l <= Isa::detected())
+            .collect();
         for (n, k) in [(262_144, 640), (2048, 640), (640, 2048)] {
             let copies = (192_000_000 / (n * k)).max(1);
-            let mut ws: Vec<Q8Matrix> = (0..copies)
-                .filter_map(|c| random_q8(n, k, 1 + c as u64, top))
-                .collect();
-            if ws.is_empty() {
-                return;
-            }
-            for m in [16, 64, 512] {
-                let x = data(m * k, 2);
-                let mut out = vec![0f32; m * n];
-                for amx in [false, true] {
-                    if amx && top != Isa::Amx {
-                        continue;
-                    }
-                    ws.iter_mut().for_each(|w| w.amx = amx);
+            for &level in &levels {
+                let ws: Vec<Q8Matrix> = (0..copies)
+                    .filter_map(|c| random_q8(n, k, 1 + c as u64, level))
+                    .collect();
+                for m in [1, 16, 64, 512] {
+                    let x = data(m * k, 2);
+                    let mut out = vec![0f32; m * n];
                     let reps = (4e10 / (2.0 * (m * n * k) as f64)).clamp(2.0, 400.0) as usize;
-                    let mut line = format!(
-                        "{} m {m:4} n {n:6} k {k:4}:",
-                        if amx { "amx " } else { "vnni" }
-                    );
+                    let mut line =
+                        format!("{level:10} {:?} m {m:4} n {n:6} k {k:4}:", ws[0].layout);
                     for (label, count) in [("warm", 1), ("cold", ws.len())] {
                         ws[0].matmul(&x, m, &mut out);
                         let start = std::time::Instant::now();

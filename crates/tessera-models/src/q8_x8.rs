@@ -1,58 +1,68 @@
-//! Q8_0 rows interleaved in groups of eight, for the AVX2 kernels (the Q8 side of
-//! `kquant/x8.rs`, which says why).
+//! Q8_0 rows interleaved in groups, for the AVX2 kernels here (groups of eight; the Q8 side
+//! of `kquant/x8.rs`, which says why) and the AVX-512 VNNI ones in `q8_x16.rs` (groups of
+//! sixteen).
 //!
-//! At AVX2 a [`crate::q8::Q8Matrix`] keeps the whole groups of eight rows this way, in the
-//! same places as the row-major matrix (group g's codes are bytes `8g·k ..` of the codes,
-//! its scales entries `8g·kb ..` of the scales), so the rows past the last whole group stay
-//! row-major where the row kernels read them:
-//! - codes: for block b, 32-byte vector v, bytes `[row r][t]` = element `32b + 4v + t` of
-//!   row `8g + r` (at `8g·k + 256b + 32v + 4r + t`);
-//! - scales: block b's eight rows side by side (at `8g·kb + 8b + r`).
+//! A [`crate::q8::Q8Matrix`] keeps its whole groups of G rows this way, in the same places
+//! as the row-major matrix (group g's codes are bytes `G·g·k ..` of the codes, its scales
+//! entries `G·g·kb ..` of the scales), so the rows past the last whole group stay row-major
+//! where the row kernels read them:
+//! - codes: for block b, vector v (4 elements of all G rows), bytes `[row r][t]` = element
+//!   `32b + 4v + t` of row `G·g + r` (at `G·g·k + 32G·b + 4G·v + 4r + t`);
+//! - scales: block b's G rows side by side (at `G·g·kb + G·b + r`).
 
 pub(crate) const GROUP: usize = 8;
 const BLOCK: usize = 32;
 
-/// Where element `e` of row `j` sits in a matrix of `n` rows and width `k`, interleaved.
-pub(crate) fn code_at(j: usize, e: usize, n: usize, k: usize) -> usize {
-    let g = j / GROUP;
-    if g >= n / GROUP {
+/// Where element `e` of row `j` sits in a matrix of `n` rows and width `k`, interleaved in
+/// groups of `group`.
+pub(crate) fn code_at(j: usize, e: usize, n: usize, k: usize, group: usize) -> usize {
+    let g = j / group;
+    if g >= n / group {
         return j * k + e;
     }
-    let (r, b, v, t) = (j % GROUP, e / BLOCK, (e % BLOCK) / 4, e % 4);
-    GROUP * g * k + 256 * b + 32 * v + 4 * r + t
+    let (r, b, v, t) = (j % group, e / BLOCK, (e % BLOCK) / 4, e % 4);
+    group * g * k + BLOCK * group * b + 4 * group * v + 4 * r + t
 }
 
 /// Where block `b`'s scale of row `j` sits.
-pub(crate) fn scale_at(j: usize, b: usize, n: usize, kb: usize) -> usize {
-    let g = j / GROUP;
-    if g >= n / GROUP {
+pub(crate) fn scale_at(j: usize, b: usize, n: usize, kb: usize, group: usize) -> usize {
+    let g = j / group;
+    if g >= n / group {
         return j * kb + b;
     }
-    GROUP * g * kb + GROUP * b + j % GROUP
+    group * g * kb + group * b + j % group
 }
 
-/// Row-major codes and scales interleaved (or back, `forward` false), in place.
-pub(crate) fn interleave(qs: &mut [i8], d: &mut [u16], n: usize, k: usize, forward: bool) {
+/// Row-major codes and scales interleaved in groups of `group` (or back, `forward` false),
+/// in place.
+pub(crate) fn interleave(
+    qs: &mut [i8],
+    d: &mut [u16],
+    n: usize,
+    k: usize,
+    group: usize,
+    forward: bool,
+) {
     let kb = k / BLOCK;
-    let mut codes = vec![0i8; GROUP * k];
-    let mut scales = vec![0u16; GROUP * kb];
-    for g in 0..n / GROUP {
+    let mut codes = vec![0i8; group * k];
+    let mut scales = vec![0u16; group * kb];
+    for g in 0..n / group {
         let (q, s) = (
-            &mut qs[GROUP * g * k..GROUP * (g + 1) * k],
-            &mut d[GROUP * g * kb..GROUP * (g + 1) * kb],
+            &mut qs[group * g * k..group * (g + 1) * k],
+            &mut d[group * g * kb..group * (g + 1) * kb],
         );
         codes.copy_from_slice(q);
         scales.copy_from_slice(s);
-        for r in 0..GROUP {
+        for r in 0..group {
             for e in 0..k {
-                let at = code_at(r, e, GROUP, k);
+                let at = code_at(r, e, group, k, group);
                 match forward {
                     true => q[at] = codes[r * k + e],
                     false => q[r * k + e] = codes[at],
                 }
             }
             for b in 0..kb {
-                let at = scale_at(r, b, GROUP, kb);
+                let at = scale_at(r, b, group, kb, group);
                 match forward {
                     true => s[at] = scales[r * kb + b],
                     false => s[r * kb + b] = scales[at],
@@ -62,12 +72,16 @@ pub(crate) fn interleave(qs: &mut [i8], d: &mut [u16], n: usize, k: usize, forwa
     }
 }
 
-/// Activation rows `rows` in tiles of at most three, the widths of the groups' kernels
-/// (here and in `kquant/x8.rs`): `tile(first row, rows in the tile)`.
-pub(crate) fn row_tiles(rows: std::ops::Range<usize>, mut tile: impl FnMut(usize, usize)) {
+/// Activation rows `rows` in tiles of at most `widest`, the widths of the groups' kernels
+/// (three here and in `kquant/x8.rs`): `tile(first row, rows in the tile)`.
+pub(crate) fn row_tiles(
+    rows: std::ops::Range<usize>,
+    widest: usize,
+    mut tile: impl FnMut(usize, usize),
+) {
     let mut i = rows.start;
     while i < rows.end {
-        let mr = (rows.end - i).min(3);
+        let mr = (rows.end - i).min(widest);
         tile(i, mr);
         i += mr;
     }
@@ -116,7 +130,7 @@ pub(crate) unsafe fn run(
         qs.as_ptr().add(GROUP * g * k),
         d.as_ptr().add(GROUP * g * kb),
     );
-    row_tiles(rows, |i, mr| {
+    row_tiles(rows, 3, |i, mr| {
         let (a, o) = (aq.as_ptr().add(i * k), out.add(i * n));
         let ad = ad.as_ptr().add(i * kb);
         match mr {

@@ -149,7 +149,7 @@ impl Interleaved {
     ) {
         let size = if self.q4 { Q4X8_BYTES } else { Q6X8_BYTES };
         let group = self.bytes.as_ptr().add(g * self.kb * size);
-        crate::q8_x8::row_tiles(acts_rows, |i, mr| {
+        crate::q8_x8::row_tiles(acts_rows, 3, |i, mr| {
             let o = out.add(i * n);
             match (self.q4, mr) {
                 (true, 3) => kernels::q4_3(acts, i, group, self.kb, o, n),
