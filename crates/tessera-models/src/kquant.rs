@@ -6,24 +6,27 @@
 //! delivers the bytes, if the arithmetic keeps up. candle 0.11 repacks Q4_K for its
 //! AVX-512 tiles with every 32-element scale and minimum widened to f32 (6 bits a weight
 //! where the file has 4.5: a third more bytes per step), and runs Q6_K decode one
-//! scalar-scheduled dot product per row. Here the kernels read the file's own blocks in
-//! place at VNNI (no second copy; AVX2 below), and the activations are quantized once per matmul to int8 per
-//! 256-element block, as llama.cpp's Q8_K (scale max|x| / 127, round half away from zero),
-//! with the sums of every 16 and 32 codes kept for the minima and offsets. A block's
-//! integer dot is exact in i32: `maddubs` multiplies the unsigned weight codes by the
-//! signed activation codes into i16 pairs (at most 63 · 128 · 2, no saturation), then
+//! scalar-scheduled dot product per row. Here the activations are quantized once per matmul
+//! to int8 per 256-element block, as llama.cpp's Q8_K (scale max|x| / 127, round half away
+//! from zero), with the sums of every 16 and 32 codes kept for the minima and offsets. A
+//! block's integer dot is exact in i32: `maddubs` multiplies the unsigned weight codes by
+//! the signed activation codes into i16 pairs (at most 63 · 128 · 2, no saturation), then
 //! `madd` (AVX-512 VNNI: `vpdpwssd`) weighs the pairs by their sub-block's scale into i32
-//! lanes; one f32 multiply-add per block applies the block and activation scales. At AVX-512
-//! VNNI one or two activation rows run in 512-bit registers against two weight rows, each
-//! weight block unpacked once (two blocks' 6-bit scales at a time, by byte shuffles); at
-//! AVX2, the rows are held again in groups of eight interleaved (`kquant/x8.rs`): one i32 lane per
+//! lanes; one f32 multiply-add per block applies the block and activation scales.
+//!
+//! The whole groups of eight rows are held again interleaved (`kquant/x8.rs`, a second copy
+//! of the weights beside the file's bytes that candle's matmul reads): one i32 lane per
 //! weight row, so the per-row work (scales, minima, the final sum) is one vector op for
-//! eight rows; those kernels take every input there, prefill included, and the rows past
-//! the last whole group run 256-bit tiles of the arithmetic above. Each weight row stream
-//! is prefetched into L2 ahead of use (the hardware prefetcher alone left the arithmetic
-//! and the wait for memory serialized: half the bandwidth). At VNNI, inputs of more than
-//! [`OWN_MAX_ROWS`] rows go to candle's repacked tiles, which do more work per instruction
-//! once the weights are reused across rows.
+//! eight rows. Those kernels take every input at AVX2, prefill included, and inputs of up
+//! to [`OWN_MAX_ROWS`] rows at AVX-512 VNNI, where on a Zen 5 they decode at 1.3× the
+//! file-layout 512-bit kernels (Qwen 2.5 1.5B: 37 → 49 tok/s). The rows past the last whole
+//! group read the file's blocks in place: at VNNI one or two activation rows in 512-bit
+//! registers against two weight rows, each weight block unpacked once (two blocks' 6-bit
+//! scales at a time, by byte shuffles); at AVX2 256-bit tiles of the same arithmetic. Each
+//! weight row stream is prefetched into L2 ahead of use (the hardware prefetcher alone left
+//! the arithmetic and the wait for memory serialized: half the bandwidth). At VNNI, inputs
+//! of more than [`OWN_MAX_ROWS`] rows go to candle's repacked tiles, which do more work per
+//! instruction once the weights are reused across many rows.
 //!
 //! Several matrices that read the same input (q/k/v of mixed types) stack into one
 //! [`KMatrix`]: one activation quantization, one dispatch.
@@ -84,8 +87,8 @@ struct Part {
     /// never moves or changes.
     blocks: usize,
     matmul: QMatMul,
-    /// The whole groups of eight rows again, interleaved for the AVX2 kernels (absent
-    /// where the 512-bit kernels run).
+    /// The whole groups of eight rows again, interleaved for the group kernels (on
+    /// x86-64).
     x8: Option<x8::Interleaved>,
 }
 
@@ -112,11 +115,13 @@ pub struct KMatrix {
     vnni: bool,
 }
 
-/// Activation rows up to which [`KMatrix::forward`] runs our kernels at AVX-512 VNNI; from
-/// here candle's repacked 16-row tiles do more work per instruction than our row tiles. At
-/// AVX2 the interleaved kernels (`kquant/x8.rs`) take every input: they beat candle's AVX2 tiles at
-/// 512 rows too (Q4_K 1.7×, Q6_K 1.3×, `kquant_matmul_speed`).
-pub const OWN_MAX_ROWS: usize = 3;
+/// Activation rows up to which [`KMatrix::forward`] runs our kernels at AVX-512 VNNI; past
+/// it candle's repacked 16-row tiles do more work per instruction than our interleaved
+/// ones (on a Zen 5, `kquant_matmul_speed`: at 16 rows ours run Q4_K at 1.2–1.5× candle's
+/// and Q6_K level with it; at 64, candle's lead by up to 1.6× on Q6_K). At AVX2 the
+/// interleaved kernels (`kquant/x8.rs`) take every input: they beat candle's AVX2 tiles at
+/// 512 rows too (Q4_K 1.7×, Q6_K 1.3×).
+pub const OWN_MAX_ROWS: usize = 16;
 
 /// The 6-bit scale and minimum of sub-block `j` from a Q4_K block's 12 packed bytes (the
 /// format's definition: the first four sub-blocks in the low 6 bits of bytes 0–3 and 4–7,
@@ -165,7 +170,8 @@ impl KMatrix {
             matmul,
             x8: None,
         };
-        if !vnni {
+        #[cfg(target_arch = "x86_64")]
+        {
             let kb = k / QK;
             part.x8 = Some(match q4 {
                 true => x8::Interleaved::q4(part.q4_blocks(kb), kb),
@@ -1355,14 +1361,14 @@ mod tests {
                         KMatrix::new(QTensor::new(storage, (n, k)).unwrap(), top).unwrap()
                     })
                     .collect();
-                for m in [1, 2, 512] {
+                for m in [1, 2, 16, 64, 512] {
                     if m > 2 && n > 20_000 {
                         continue;
                     }
                     let x = data(m * k, 2);
                     let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
                     let mut out = vec![0f32; m * n];
-                    let reps = if m < 512 { (3 * copies).max(30) } else { 3 };
+                    let reps = if m < 16 { (3 * copies).max(30) } else { 3 };
                     let time = |f: &mut dyn FnMut(usize)| {
                         (0..copies).for_each(&mut *f);
                         let t = std::time::Instant::now();
@@ -1374,7 +1380,7 @@ mod tests {
                         let _ = candle_core::Module::forward(&ws[c].parts[0].matmul, &xt).unwrap();
                     });
                     let rate = |s: f64| {
-                        if m < 512 {
+                        if m < 16 {
                             format!("{:.1} GB/s", bytes as f64 / s / 1e9)
                         } else {
                             format!("{:.0} GFLOP/s", 2.0 * (m * n * k) as f64 / s / 1e9)
