@@ -1,6 +1,5 @@
-//! Q4_K and Q6_K weight matmuls of up to [`OWN_MAX_ROWS`] activation rows (a decode step,
-//! a small batch) for x86-64 CPUs from AVX2 up: most of a Q4_K_M file (all of Qwen 2.5's
-//! matrices, Gemma 3's attn_output and ffn_down).
+//! Q4_K and Q6_K weight matmuls (decode, batches, prefill) for x86-64 CPUs from AVX2 up:
+//! most of a Q4_K_M file (all of Qwen 2.5's matrices, Gemma 3's attn_output and ffn_down).
 //!
 //! Why our own: a decode step streams every weight once, so it runs at the speed memory
 //! delivers the bytes, if the arithmetic keeps up. candle 0.11 repacks Q4_K for its
@@ -17,16 +16,18 @@
 //! The whole groups of eight rows are held again interleaved (`kquant/x8.rs`, a second copy
 //! of the weights beside the file's bytes that candle's matmul reads): one i32 lane per
 //! weight row, so the per-row work (scales, minima, the final sum) is one vector op for
-//! eight rows. Those kernels take every input at AVX2, prefill included, and inputs of up
-//! to [`OWN_MAX_ROWS`] rows at AVX-512 VNNI, where on a Zen 5 they decode at 1.3× the
-//! file-layout 512-bit kernels (Qwen 2.5 1.5B: 37 → 49 tok/s). The rows past the last whole
-//! group read the file's blocks in place: at VNNI one or two activation rows in 512-bit
-//! registers against two weight rows, each weight block unpacked once (two blocks' 6-bit
-//! scales at a time, by byte shuffles); at AVX2 256-bit tiles of the same arithmetic. Each
-//! weight row stream is prefetched into L2 ahead of use (the hardware prefetcher alone left
-//! the arithmetic and the wait for memory serialized: half the bandwidth). At VNNI, inputs
-//! of more than [`OWN_MAX_ROWS`] rows go to candle's repacked tiles, which do more work per
-//! instruction once the weights are reused across many rows.
+//! eight rows. Those kernels take every input, decode and prefill, so a row's output never
+//! depends on how many rows share its matmul. At AVX-512 VNNI two neighbouring groups run
+//! side by side in 512-bit registers (each op once for sixteen rows) where there are several
+//! activation rows, with the same arithmetic per row; on a Zen 5 (`kquant_matmul_speed`)
+//! they run Q4_K at 1.2–1.8× candle's repacked AVX-512 tiles from 16 to 512 rows and Q6_K
+//! at 0.85–1.4×, and a decode at 1.3× the file-layout 512-bit kernels (Qwen 2.5 1.5B: 37 →
+//! 49 tok/s). The rows past the last whole group read the file's blocks in place: at VNNI
+//! one or two activation rows in 512-bit registers against two weight rows, each weight
+//! block unpacked once (two blocks' 6-bit scales at a time, by byte shuffles); at AVX2
+//! 256-bit tiles of the same arithmetic. Each weight row stream is prefetched into L2 ahead
+//! of use (the hardware prefetcher alone left the arithmetic and the wait for memory
+//! serialized: half the bandwidth).
 //!
 //! Several matrices that read the same input (q/k/v of mixed types) stack into one
 //! [`KMatrix`]: one activation quantization, one dispatch.
@@ -41,7 +42,8 @@ use tessera_kv::Isa;
 const QK: usize = 256;
 const Q4K_BYTES: usize = 144;
 const Q6K_BYTES: usize = 210;
-/// Weight rows per work item handed to a thread.
+/// Weight rows per work item handed to a thread: one group of eight at AVX2, two at VNNI
+/// (`kquant/x8.rs`).
 const ROWS_PER_ITEM: usize = 8;
 /// Activation rows per work item of a multi-row matmul (their codes stay in L2 while the
 /// item's weight rows are read).
@@ -114,14 +116,6 @@ pub struct KMatrix {
     /// otherwise.
     vnni: bool,
 }
-
-/// Activation rows up to which [`KMatrix::forward`] runs our kernels at AVX-512 VNNI; past
-/// it candle's repacked 16-row tiles do more work per instruction than our interleaved
-/// ones (on a Zen 5, `kquant_matmul_speed`: at 16 rows ours run Q4_K at 1.2–1.5× candle's
-/// and Q6_K level with it; at 64, candle's lead by up to 1.6× on Q6_K). At AVX2 the
-/// interleaved kernels (`kquant/x8.rs`) take every input: they beat candle's AVX2 tiles at
-/// 512 rows too (Q4_K 1.7×, Q6_K 1.3×).
-pub const OWN_MAX_ROWS: usize = 16;
 
 /// The 6-bit scale and minimum of sub-block `j` from a Q4_K block's 12 packed bytes (the
 /// format's definition: the first four sub-blocks in the low 6 bits of bytes 0–3 and 4–7,
@@ -248,17 +242,6 @@ impl KMatrix {
             candle_core::bail!("KMatrix: input width {k}, matrix width {}", self.k);
         }
         let m = x.elem_count() / k;
-        if m > OWN_MAX_ROWS && self.vnni {
-            let outs = self
-                .parts
-                .iter()
-                .map(|p| candle_core::Module::forward(&p.matmul, x))
-                .collect::<Result<Vec<_>>>()?;
-            return match outs.len() {
-                1 => Ok(outs.into_iter().next().expect("one part")),
-                _ => Tensor::cat(&outs, x.rank() - 1),
-            };
-        }
         let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let mut out = vec![0f32; m * self.n];
         self.matmul(&xs, m, &mut out);
@@ -284,13 +267,14 @@ impl KMatrix {
             return;
         }
         let acts = Acts::new(x, m, self.k);
+        let per_item = ROWS_PER_ITEM * if self.vnni { 2 } else { 1 };
         // Work items: groups of weight rows (never straddling two parts) × chunks of
         // activation rows.
         let groups: Vec<(usize, usize, usize)> = {
             let mut v = Vec::new();
             let mut row0 = 0;
             for (p, part) in self.parts.iter().enumerate() {
-                for g in (0..part.rows).step_by(ROWS_PER_ITEM) {
+                for g in (0..part.rows).step_by(per_item) {
                     v.push((p, g, row0 + g));
                 }
                 row0 += part.rows;
@@ -304,7 +288,7 @@ impl KMatrix {
             let (p, local, global) = groups[item / chunks];
             let c = item % chunks;
             let part = &self.parts[p];
-            let rows = local..(local + ROWS_PER_ITEM).min(part.rows);
+            let rows = local..(local + per_item).min(part.rows);
             let acts_rows = c * ACT_ROWS_PER_ITEM..((c + 1) * ACT_ROWS_PER_ITEM).min(m);
             // SAFETY: this CPU runs AVX2 (and VNNI where `vnni`: `new` checked the
             // capped level); each item writes only out[i][global + rows] for its own
@@ -327,7 +311,7 @@ impl KMatrix {
             let kb = self.k / QK;
             let bytes = |item: usize| {
                 let part = &self.parts[groups[item].0];
-                let rows = (part.rows - groups[item].1).min(ROWS_PER_ITEM);
+                let rows = (part.rows - groups[item].1).min(per_item);
                 rows * kb * if part.q4 { Q4K_BYTES } else { Q6K_BYTES }
             };
             crate::shares::stream(items, bytes, run);
@@ -409,13 +393,30 @@ impl Part {
     ) {
         #[cfg(target_arch = "x86_64")]
         {
+            let (mut rows, mut out) = (rows, out);
             if let Some(x8) = &self.x8 {
-                if rows.len() == x8::GROUP && rows.start % x8::GROUP == 0 {
+                // Whole groups first: at VNNI two at a time in 512-bit registers, but for a
+                // single activation row (decode), where two streams at once read slower.
+                let wide = vnni && acts_rows.len() > 1;
+                while rows.start % x8::GROUP == 0 {
                     let g = rows.start / x8::GROUP;
-                    if g < x8.groups() {
-                        x8.run(acts, g, acts_rows, out, n);
-                        return;
-                    }
+                    let whole = x8.groups().saturating_sub(g).min(rows.len() / x8::GROUP);
+                    let take = match (whole, wide) {
+                        (0, _) => break,
+                        (1, _) | (_, false) => {
+                            x8.run(acts, g, acts_rows.clone(), out, n);
+                            1
+                        }
+                        _ => {
+                            x8.run_pair(acts, g, acts_rows.clone(), out, n);
+                            2
+                        }
+                    };
+                    rows.start += take * x8::GROUP;
+                    out = out.add(take * x8::GROUP);
+                }
+                if rows.is_empty() {
+                    return;
                 }
             }
             let tile = Tile {

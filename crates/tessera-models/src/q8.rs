@@ -1317,18 +1317,18 @@ pub(crate) mod tests {
     }
 
     /// A row's output does not depend on the rows batched with it (a greedy request gives
-    /// the same tokens alone and beside others): at every level, each row of a few-row
-    /// matmul equals that row's matmul alone, bit for bit, for Q8_0 and the own K-quant
-    /// kernels (up to their row limit; candle takes more rows).
+    /// the same tokens alone and beside others, and a prompt read in one chunk or several):
+    /// at every level, each row of a matmul equals that row's matmul alone, bit for bit,
+    /// for Q8_0 and the K-quants (one row runs other kernels than several at VNNI).
     #[test]
     fn rows_come_out_the_same_alone_and_batched() {
         let dev = Device::Cpu;
         let (n, k) = (37, 512);
         for isa in Isa::supported() {
             for (dtype, rows) in [
-                (GgmlDType::Q8_0, &[2usize, 3, 5][..]),
-                (GgmlDType::Q4K, &[2, crate::kquant::OWN_MAX_ROWS][..]),
-                (GgmlDType::Q6K, &[2, crate::kquant::OWN_MAX_ROWS][..]),
+                (GgmlDType::Q8_0, &[2usize, 3, 5, 19][..]),
+                (GgmlDType::Q4K, &[2, 3, 19][..]),
+                (GgmlDType::Q6K, &[2, 3, 19][..]),
             ] {
                 let w = Tensor::from_vec(data(n * k, 7), (n, k), &dev).unwrap();
                 let lin = Linear::new(QTensor::quantize(&w, dtype).unwrap(), false, isa).unwrap();

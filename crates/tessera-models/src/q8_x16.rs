@@ -66,6 +66,10 @@ pub(crate) unsafe fn run(
         };
         let o = out.add(i * n);
         match mr {
+            8 => kernels::q8_8(codes, scales, kb, &a, o, n),
+            7 => kernels::q8_7(codes, scales, kb, &a, o, n),
+            6 => kernels::q8_6(codes, scales, kb, &a, o, n),
+            5 => kernels::q8_5(codes, scales, kb, &a, o, n),
             4 => kernels::q8_4(codes, scales, kb, &a, o, n),
             3 => kernels::q8_3(codes, scales, kb, &a, o, n),
             2 => kernels::q8_2(codes, scales, kb, &a, o, n),
@@ -82,7 +86,7 @@ mod kernels {
     use std::arch::x86_64::*;
 
     /// The most activation rows one pass over a group's codes serves.
-    pub(super) const WIDEST: usize = 4;
+    pub(super) const WIDEST: usize = 8;
 
     /// The first activation row of a tile: codes, scales and block offsets (rows `k` codes
     /// and `kb` scales and offsets apart).
@@ -150,4 +154,8 @@ mod kernels {
     entry!(q8_2, 2);
     entry!(q8_3, 3);
     entry!(q8_4, 4);
+    entry!(q8_5, 5);
+    entry!(q8_6, 6);
+    entry!(q8_7, 7);
+    entry!(q8_8, 8);
 }

@@ -161,6 +161,39 @@ impl Interleaved {
             }
         });
     }
+
+    /// Groups `g` and `g + 1` side by side in 512-bit registers (each op of [`Self::run`]
+    /// once for sixteen rows), into `out[i * n + c]` for c in 0..16. Each row's arithmetic
+    /// is [`Self::run`]'s, so its outputs are the same bits.
+    ///
+    /// # Safety
+    /// The CPU runs AVX-512 F and BW, FMA and F16C; `g + 1 < self.groups()`; `out` is valid
+    /// for those writes.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) unsafe fn run_pair(
+        &self,
+        acts: &Acts,
+        g: usize,
+        acts_rows: std::ops::Range<usize>,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let size = if self.q4 { Q4X8_BYTES } else { Q6X8_BYTES };
+        let group = self.bytes.as_ptr().add(g * self.kb * size);
+        let stride = self.kb * size;
+        crate::q8_x8::row_tiles(acts_rows, 3, |i, mr| {
+            let o = out.add(i * n);
+            let kb = self.kb;
+            match (self.q4, mr) {
+                (true, 3) => wide::q4_3(acts, i, group, stride, kb, o, n),
+                (true, 2) => wide::q4_2(acts, i, group, stride, kb, o, n),
+                (true, _) => wide::q4_1(acts, i, group, stride, kb, o, n),
+                (false, 3) => wide::q6_3(acts, i, group, stride, kb, o, n),
+                (false, 2) => wide::q6_2(acts, i, group, stride, kb, o, n),
+                (false, _) => wide::q6_1(acts, i, group, stride, kb, o, n),
+            }
+        });
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -386,6 +419,254 @@ mod kernels {
                 n: usize,
             ) {
                 $body::<$mr>(a, i0, group, kb, out, n)
+            }
+        };
+    }
+
+    entry!(q4_1, q4, 1);
+    entry!(q4_2, q4, 2);
+    entry!(q4_3, q4, 3);
+    entry!(q6_1, q6, 1);
+    entry!(q6_2, q6, 2);
+    entry!(q6_3, q6, 3);
+}
+
+/// The kernels of `kernels` over two neighbouring groups at once: every 256-bit operand of
+/// group g there is the low half of a 512-bit one here, group g + 1's (`stride` bytes on)
+/// the high half. The byte shuffles work within 128-bit lanes, so their patterns repeat.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+mod wide {
+    use super::*;
+    use crate::q8_x8::prefetch_ahead as prefetch;
+    use std::arch::x86_64::*;
+
+    /// 32 bytes at `p` (group g) and at `p + stride` (group g + 1).
+    #[inline(always)]
+    unsafe fn pair32(p: *const u8, stride: usize) -> __m512i {
+        let lo = _mm256_loadu_si256(p as *const __m256i);
+        let hi = _mm256_loadu_si256(p.add(stride) as *const __m256i);
+        _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+    }
+
+    /// 16 bytes at `p` and at `p + stride`, as one 256-bit vector.
+    #[inline(always)]
+    unsafe fn pair16(p: *const u8, stride: usize) -> __m256i {
+        let lo = _mm_loadu_si128(p as *const __m128i);
+        let hi = _mm_loadu_si128(p.add(stride) as *const __m128i);
+        _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1)
+    }
+
+    #[inline(always)]
+    unsafe fn codes4(p: *const i8) -> __m512i {
+        _mm512_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    #[inline(always)]
+    unsafe fn sums2(p: *const i16) -> __m512i {
+        _mm512_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    /// `kernels`' EVEN / ODD pair shuffles, one per 128-bit lane.
+    #[inline(always)]
+    unsafe fn lanes(pattern: &[i8; 32]) -> __m512i {
+        _mm512_broadcast_i32x4(_mm_loadu_si128(pattern.as_ptr() as *const __m128i))
+    }
+
+    const EVEN: [i8; 32] = [
+        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
+        13, 12, 13,
+    ];
+    const ODD: [i8; 32] = [
+        2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10,
+        11, 14, 15, 14, 15,
+    ];
+
+    #[inline(always)]
+    unsafe fn q4<const MR: usize>(
+        a: &Acts,
+        i0: usize,
+        group: *const u8,
+        stride: usize,
+        kb: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let k = a.k;
+        let mask = _mm512_set1_epi8(0x0F);
+        let (even, odd) = (lanes(&EVEN), lanes(&ODD));
+        let mut accf = [_mm512_setzero_ps(); MR];
+        let mut accm = [_mm512_setzero_ps(); MR];
+        for b in 0..kb {
+            let blk = group.add(b * Q4X8_BYTES);
+            prefetch(blk, Q4X8_BYTES);
+            prefetch(blk.add(stride), Q4X8_BYTES);
+            let mut acc = [_mm512_setzero_si512(); MR];
+            for p in 0..4 {
+                let pairs = _mm512_cvtepu8_epi16(pair16(blk.add(Q4_SCALES + 16 * p), stride));
+                let s_lo = _mm512_shuffle_epi8(pairs, even);
+                let s_hi = _mm512_shuffle_epi8(pairs, odd);
+                let mut sum_lo = [_mm512_setzero_si512(); MR];
+                let mut sum_hi = [_mm512_setzero_si512(); MR];
+                for v in 0..8 {
+                    let w = pair32(blk.add(Q4_QS + 256 * p + 32 * v), stride);
+                    let lo = _mm512_and_si512(w, mask);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask);
+                    for r in 0..MR {
+                        let aq = a.q.as_ptr().add((i0 + r) * k + b * QK + 64 * p + 4 * v);
+                        sum_lo[r] =
+                            _mm512_add_epi16(sum_lo[r], _mm512_maddubs_epi16(lo, codes4(aq)));
+                        sum_hi[r] = _mm512_add_epi16(
+                            sum_hi[r],
+                            _mm512_maddubs_epi16(hi, codes4(aq.add(32))),
+                        );
+                    }
+                }
+                for r in 0..MR {
+                    acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(sum_lo[r], s_lo));
+                    acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(sum_hi[r], s_hi));
+                }
+            }
+            let d = _mm512_cvtph_ps(pair16(blk, stride));
+            let dmin = _mm512_cvtph_ps(pair16(blk.add(16), stride));
+            let mut mins = [_mm512_setzero_si512(); 4];
+            for p in 0..4 {
+                mins[p] = _mm512_cvtepu8_epi16(pair16(blk.add(Q4_MINS + 16 * p), stride));
+            }
+            for r in 0..MR {
+                let at = (i0 + r) * kb + b;
+                let da = _mm512_set1_ps(*a.d.get_unchecked(at));
+                accf[r] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, da), accf[r]);
+                let s32 = a.sums32.as_ptr().add(at * 8);
+                let mut m = _mm512_madd_epi16(mins[0], sums2(s32));
+                for p in 1..4 {
+                    m = _mm512_add_epi32(m, _mm512_madd_epi16(mins[p], sums2(s32.add(2 * p))));
+                }
+                accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin, da), accm[r]);
+            }
+        }
+        for r in 0..MR {
+            _mm512_storeu_ps(out.add(r * n), _mm512_sub_ps(accf[r], accm[r]));
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn run_scales(blk: *const u8, stride: usize, run: usize) -> __m512i {
+        _mm512_cvtepi8_epi16(pair16(blk.add(Q6_SCALES + 16 * run), stride))
+    }
+
+    #[inline(always)]
+    unsafe fn q6<const MR: usize>(
+        a: &Acts,
+        i0: usize,
+        group: *const u8,
+        stride: usize,
+        kb: usize,
+        out: *mut f32,
+        n: usize,
+    ) {
+        let k = a.k;
+        let m4 = _mm512_set1_epi8(0x0F);
+        let m2 = _mm512_set1_epi8(0x30);
+        let (even, odd) = (lanes(&EVEN), lanes(&ODD));
+        let mut accf = [_mm512_setzero_ps(); MR];
+        for b in 0..kb {
+            let blk = group.add(b * Q6X8_BYTES);
+            prefetch(blk, Q6X8_BYTES);
+            prefetch(blk.add(stride), Q6X8_BYTES);
+            let mut acc = [_mm512_setzero_si512(); MR];
+            for run in 0..8 {
+                let pairs = run_scales(blk, stride, run);
+                for r in 0..MR {
+                    let s16 = a.sums16.as_ptr().add(((i0 + r) * kb + b) * 16 + 2 * run);
+                    acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(pairs, sums2(s16)));
+                }
+            }
+            for r in 0..MR {
+                acc[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(acc[r], 5));
+            }
+            for p in 0..4 {
+                let u = 2 * (p % 2);
+                let (first, second) = (
+                    run_scales(blk, stride, 2 * p),
+                    run_scales(blk, stride, 2 * p + 1),
+                );
+                let scales = [
+                    _mm512_shuffle_epi8(first, even),
+                    _mm512_shuffle_epi8(first, odd),
+                    _mm512_shuffle_epi8(second, even),
+                    _mm512_shuffle_epi8(second, odd),
+                ];
+                for half in 0..2 {
+                    let mut sum_lo = [_mm512_setzero_si512(); MR];
+                    let mut sum_hi = [_mm512_setzero_si512(); MR];
+                    for step in 0..4 {
+                        let v = 4 * half + step;
+                        let w = pair32(blk.add(Q6_QL + 256 * p + 32 * v), stride);
+                        let h = pair32(blk.add(Q6_QH + 256 * (p / 2) + 32 * v), stride);
+                        let (h_lo, h_hi) = if u == 0 {
+                            (_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2))
+                        } else {
+                            (h, _mm512_srli_epi16(h, 2))
+                        };
+                        let lo =
+                            _mm512_or_si512(_mm512_and_si512(w, m4), _mm512_and_si512(h_lo, m2));
+                        let hi = _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16(w, 4), m4),
+                            _mm512_and_si512(h_hi, m2),
+                        );
+                        for r in 0..MR {
+                            let aq = a.q.as_ptr().add((i0 + r) * k + b * QK + 64 * p + 4 * v);
+                            sum_lo[r] =
+                                _mm512_add_epi16(sum_lo[r], _mm512_maddubs_epi16(lo, codes4(aq)));
+                            sum_hi[r] = _mm512_add_epi16(
+                                sum_hi[r],
+                                _mm512_maddubs_epi16(hi, codes4(aq.add(32))),
+                            );
+                        }
+                        if step % 2 == 1 {
+                            for r in 0..MR {
+                                acc[r] = _mm512_add_epi32(
+                                    acc[r],
+                                    _mm512_madd_epi16(sum_lo[r], scales[half]),
+                                );
+                                acc[r] = _mm512_add_epi32(
+                                    acc[r],
+                                    _mm512_madd_epi16(sum_hi[r], scales[2 + half]),
+                                );
+                                sum_lo[r] = _mm512_setzero_si512();
+                                sum_hi[r] = _mm512_setzero_si512();
+                            }
+                        }
+                    }
+                }
+            }
+            let d = _mm512_cvtph_ps(pair16(blk, stride));
+            for r in 0..MR {
+                let da = _mm512_set1_ps(*a.d.get_unchecked((i0 + r) * kb + b));
+                accf[r] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, da), accf[r]);
+            }
+        }
+        for r in 0..MR {
+            _mm512_storeu_ps(out.add(r * n), accf[r]);
+        }
+    }
+
+    macro_rules! entry {
+        ($name:ident, $body:ident, $mr:expr) => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            pub(super) unsafe fn $name(
+                a: &Acts,
+                i0: usize,
+                group: *const u8,
+                stride: usize,
+                kb: usize,
+                out: *mut f32,
+                n: usize,
+            ) {
+                $body::<$mr>(a, i0, group, stride, kb, out, n)
             }
         };
     }
