@@ -217,11 +217,11 @@ mod kernels {
 
     /// For a vector of `[row][2]` i16 pairs: the first of each pair in both lanes
     /// (`EVEN`), or the second (`ODD`).
-    const EVEN: [i8; 32] = [
+    pub(super) const EVEN: [i8; 32] = [
         0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
         13, 12, 13,
     ];
-    const ODD: [i8; 32] = [
+    pub(super) const ODD: [i8; 32] = [
         2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10,
         11, 14, 15, 14, 15,
     ];
@@ -437,6 +437,7 @@ mod kernels {
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)]
 mod wide {
+    use super::kernels::{EVEN, ODD};
     use super::*;
     use crate::q8_x8::prefetch_ahead as prefetch;
     use std::arch::x86_64::*;
@@ -472,15 +473,6 @@ mod wide {
     unsafe fn lanes(pattern: &[i8; 32]) -> __m512i {
         _mm512_broadcast_i32x4(_mm_loadu_si128(pattern.as_ptr() as *const __m128i))
     }
-
-    const EVEN: [i8; 32] = [
-        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
-        13, 12, 13,
-    ];
-    const ODD: [i8; 32] = [
-        2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10,
-        11, 14, 15, 14, 15,
-    ];
 
     #[inline(always)]
     unsafe fn q4<const MR: usize>(
