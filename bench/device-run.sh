@@ -12,7 +12,8 @@
 #   profile8b  the synthetic Llama-3-8B, batch 1, depth 32k, with TESSERA_KV_PROFILE=1
 #   e2e12b  the same for a synthetic gemma3-12b, batch 1
 #   e2e8b   synthetic Llama-3-8B (every layer global): batch 1 and 16 at 32k, batch 1 at 128k
-#           (E2E8B_RUNS: "BATCH:DEPTH ..." instead; E2E8B_GEN tokens, 32; E2E8B_BINS: the
+#           (E2E8B_RUNS: "BATCH:DEPTH ..." instead; E2E8B_GEN tokens, 32; E2E8B_PROMPT / E2E8B_REPEAT:
+#           the timed prefill's tokens, 2048, and runs, 1; E2E8B_BINS: the
 #           carried tessera binaries to run in turn, "tessera"; E2E8B_KVS, "bf16 affine:4")
 #   verifyceiling  synthetic Llama-3-8B, batch 1, depth 32k: a speculative verification round
 #           of K drafts against a one-token step, K = 1..16 (VERIFY_KS), bf16 and affine:4
@@ -27,7 +28,9 @@
 #   ncustep  the GPU-only time of a decode step (GPU-step issue): tessera bench on the synthetic
 #           Llama-3-8B for NCU_KVS, then the same run under Nsight Compute (clocks and caches
 #           left alone), every kernel's duration in $OUT/ncu-*.csv (bench/ncu_steps.py sums
-#           them per step); NCU_DEPTH context first, NCU_SKIP launches unprofiled
+#           them per step, NCU_SUMMARY its flags); NCU_DEPTH context first, NCU_BATCH rows,
+#           NCU_PROMPT / NCU_REPEAT the timed prefill's tokens and runs, NCU_SKIP launches
+#           unprofiled
 #   weights weights-bench: tessera's Q4_0 matvec / bf16-GEMM path against an f64 reference
 #           and candle's, then every matmul of one 8B forward timed, ours and candle's
 #   wvariants  weights-bench variants: weights.cu's build choices (and the host's input split)
@@ -111,7 +114,7 @@ for step in "$@"; do
         for bin in ${E2E8B_BINS:-tessera}; do for kv in ${E2E8B_KVS:-bf16 affine:4}; do
           echo "-- $bin" | tee -a $OUT/e2e-8b.txt
           $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
-            --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens 2048 --repeat 1 --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
+            --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens ${E2E8B_PROMPT:-2048} --repeat ${E2E8B_REPEAT:-1} --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
         done; done
       done ;;
     weights) log weights; $B/weights-bench 2>&1 | tee $OUT/weights-bench.txt ;;
@@ -183,13 +186,15 @@ for _ in range(600):
     ncustep)
       log ncustep; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
       for kv in ${NCU_KVS:-affine:4}; do
-        b="bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --prompt-tokens 16 --repeat 1 --depth ${NCU_DEPTH:-0}"
+        b="bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --prompt-tokens ${NCU_PROMPT:-16} --repeat ${NCU_REPEAT:-1} --depth ${NCU_DEPTH:-0} --batch ${NCU_BATCH:-1}"
         $T $b --gen-tokens 32 2>&1 | tee -a $OUT/ncustep.txt
         # NCU_SKIP: launches left unprofiled first (a deep run's context fill, ~1100 a chunk).
+        name=ncu-${kv/:/}-b${NCU_BATCH:-1}-d${NCU_DEPTH:-0}-p${NCU_PROMPT:-16}
         timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --cache-control none \
           --launch-skip ${NCU_SKIP:-0} --launch-count ${NCU_COUNT:-12000} \
-          --metrics gpu__time_duration.sum --csv --log-file $OUT/ncu-${kv/:/}-d${NCU_DEPTH:-0}.csv \
-          $T $b --gen-tokens ${NCU_GEN:-8} > $OUT/ncu-${kv/:/}-d${NCU_DEPTH:-0}-bench.txt 2>&1 || echo "ncu: status $?"
+          --metrics gpu__time_duration.sum --csv --log-file $OUT/$name.csv \
+          $T $b --gen-tokens ${NCU_GEN:-8} > $OUT/$name-bench.txt 2>&1 || echo "ncu: status $?"
+        python3 bench/ncu_steps.py $OUT/$name.csv ${NCU_SUMMARY:-} 2>&1 | tee -a $OUT/ncustep.txt || true
       done ;;
     promptcache)
       # Prompt caches saved from the device (through the host) and loaded onto it: a prompt

@@ -3,7 +3,7 @@
 pass: a forward ends at its sampling kernel (`fast_argmax_f32`). Prints each forward's kernel
 count and GPU time, then the decode forwards' median, and the kernels that take most of one.
 
-    python3 bench/ncu_steps.py ncu-affine4.csv [--decode-from N]
+    python3 bench/ncu_steps.py ncu-affine4.csv [--decode-from N] [--top-of N]
 """
 import csv, statistics, sys
 from collections import defaultdict
@@ -32,11 +32,14 @@ def main():
     times = [sum(v for _, v in f) for f in decode]
     print(f"decode forwards {len(decode)}: median {statistics.median(times):.3f} ms, "
           f"{statistics.median(len(f) for f in decode):.0f} kernels")
+    # --top-of N: the kernels of forward N (a prefill chunk, say) rather than the middle decode one.
+    shown = forwards[int(sys.argv[sys.argv.index("--top-of") + 1])] if "--top-of" in sys.argv \
+        else decode[len(decode) // 2]
     per = defaultdict(lambda: [0, 0.0])
-    for name_, v in decode[len(decode) // 2]:
+    for name_, v in shown:
         per[name_][0] += 1
         per[name_][1] += v
-    for name_, (n, t) in sorted(per.items(), key=lambda x: -x[1][1])[:12]:
+    for name_, (n, t) in sorted(per.items(), key=lambda x: -x[1][1])[:16]:
         print(f"  {t:7.3f} ms  {n:4d}×  {name_}")
 
 

@@ -440,3 +440,92 @@ extern "C" __global__ void q4_0_to_bf16(const uint4* __restrict__ codes,
         }
     }
 }
+
+// A prefill GEMM's bf16 input rows (m × k, row-major) from SOURCE, as the tensor-core
+// launches take theirs: rows of x (`ld` floats apart) as they are; RMS-normalized by the
+// weights y (of x + add, the sum written to `sum`); or silu(x) · y. One block a row, each
+// thread 4 floats at a time; a normed source sums the row's squares first (a second pass
+// reads the row again from L1/L2). This replaces the add, norm, activation and f32 → bf16
+// launches that fed candle's cast before each GEMM.
+#define GEMM_INPUT_THREADS 256
+template <int SOURCE>
+__device__ __forceinline__ void gemm_inputs(const float* __restrict__ x,
+                                            const float* __restrict__ y,
+                                            const float* __restrict__ add,
+                                            float* __restrict__ sum, u16* __restrict__ out,
+                                            int k, int ld, float eps) {
+    const size_t r = blockIdx.x;
+    const float4* xr = (const float4*)(x + r * ld);
+    const float4* ar = (const float4*)(add + r * k);
+    const float4* ur = (const float4*)(y + r * ld); // silu's up row
+    const float4* wr = (const float4*)y;           // the norm's weights
+    const int quads = k >> 2;
+    float inv = 1.f;
+    if (SOURCE == NORMED || SOURCE == ADD_NORMED) {
+        __shared__ float partial[GEMM_INPUT_THREADS / 32];
+        float s = 0.f;
+        for (int q = threadIdx.x; q < quads; q += blockDim.x) {
+            float4 v = __ldg(xr + q);
+            if (SOURCE == ADD_NORMED) {
+                const float4 a = __ldg(ar + q);
+                v = make_float4(v.x + a.x, v.y + a.y, v.z + a.z, v.w + a.w);
+                ((float4*)(sum + r * k))[q] = v;
+            }
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+        __syncthreads();
+        s = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += partial[w];
+        inv = rsqrtf(s / (float)k + eps);
+    }
+    for (int q = threadIdx.x; q < quads; q += blockDim.x) {
+        float4 v = __ldg(xr + q);
+        if (SOURCE == ADD_NORMED) {
+            const float4 a = __ldg(ar + q);
+            v = make_float4(v.x + a.x, v.y + a.y, v.z + a.z, v.w + a.w);
+        }
+        float e[4] = {v.x, v.y, v.z, v.w};
+        if (SOURCE == NORMED || SOURCE == ADD_NORMED) {
+            const float4 g = __ldg(wr + q);
+            const float gs[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) e[i] = e[i] * inv * gs[i];
+        }
+        if (SOURCE == SILU_GATED) {
+            const float4 u = __ldg(ur + q);
+            const float us[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) e[i] = e[i] / (1.f + expf(-e[i])) * us[i];
+        }
+        const u32 lo = f32_to_bf16(e[0]) | ((u32)f32_to_bf16(e[1]) << 16);
+        const u32 hi = f32_to_bf16(e[2]) | ((u32)f32_to_bf16(e[3]) << 16);
+        ((uint2*)(out + r * k))[q] = make_uint2(lo, hi);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_INPUT_THREADS)
+gemm_inputs_plain(const float* __restrict__ x, u16* __restrict__ out, int k, int ld) {
+    gemm_inputs<PLAIN>(x, nullptr, nullptr, nullptr, out, k, ld, 0.f);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_INPUT_THREADS)
+gemm_inputs_normed(const float* __restrict__ x, const float* __restrict__ w,
+                   u16* __restrict__ out, int k, float eps) {
+    gemm_inputs<NORMED>(x, w, nullptr, nullptr, out, k, k, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_INPUT_THREADS)
+gemm_inputs_add_normed(const float* __restrict__ x, const float* __restrict__ add,
+                       float* __restrict__ sum, const float* __restrict__ w,
+                       u16* __restrict__ out, int k, float eps) {
+    gemm_inputs<ADD_NORMED>(x, w, add, sum, out, k, k, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_INPUT_THREADS)
+gemm_inputs_silu_gated(const float* __restrict__ gate, const float* __restrict__ up,
+                       u16* __restrict__ out, int k, int ld) {
+    gemm_inputs<SILU_GATED>(gate, up, nullptr, nullptr, out, k, ld, 0.f);
+}

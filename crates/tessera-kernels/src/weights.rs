@@ -2,16 +2,18 @@
 //! a scale plane (weights.cu), multiplied on the tensor cores below [`GEMM_FROM`] input rows
 //! (f16 mma over the exact codes; up to [`SPLIT_UP_TO`] rows, a decode step, each input row
 //! split into an f16 high part and residual so the product keeps ~22 bits of x) and
-//! dequantized to bf16 for cuBLAS from [`GEMM_FROM`] rows (prefill chunks). Everything runs
-//! on candle's stream for the device. Other weight types, and Q4_0 matrices whose shape the
-//! layout does not take, stay with candle's quantized matmuls.
+//! dequantized to bf16 for cuBLAS from [`GEMM_FROM`] rows (prefill chunks: the inputs made
+//! bf16 in one launch with the norm or activation before them, f32 out of the GEMM itself).
+//! Everything runs on candle's stream for the device. Other weight types, and Q4_0 matrices
+//! whose shape the layout does not take, stay with candle's quantized matmuls.
 
 use crate::cuda::compile_source;
 use crate::{q4_0_planes, Q4_0_OCTET, Q4_0_ROWS, WEIGHTS_CU};
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
+use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -19,7 +21,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
-use tessera_models::device_weights::{residual_sum, rms_norm, DeviceMatrix, WeightBackend};
+use tessera_models::device_weights::{residual_sum, DeviceMatrix, WeightBackend};
 
 /// Most input rows whose launches split each row into an f16 high part and residual (f32-like
 /// products, 1–2e-7); more rows enter as f16 (≤ 2e-4), 32 a launch. At 9–16 rows the split
@@ -27,6 +29,9 @@ use tessera_models::device_weights::{residual_sum, rms_norm, DeviceMatrix, Weigh
 pub const SPLIT_UP_TO: usize = 8;
 /// Input rows from which the matrix is dequantized to bf16 for a GEMM (prefill chunks).
 pub const GEMM_FROM: usize = 256;
+/// Threads of a GEMM input launch (weights.cu's GEMM_INPUT_THREADS): one block a row.
+const GEMM_INPUT_THREADS: u32 = 256;
+
 /// Input rows a launch takes: 4 n8 tiles of split (two-column) or plain rows.
 fn rows_per_launch(split: bool) -> usize {
     if split {
@@ -122,6 +127,8 @@ struct Kernels {
     /// `inputs` of silu(gate) · up.
     gated_inputs: CudaFunction,
     to_bf16: CudaFunction,
+    /// A GEMM's bf16 input rows from each [`Source`]: plain, normed, add-normed, gated.
+    gemm_inputs: [CudaFunction; 4],
     /// [`CudaWeights`]'s `split_up_to`.
     split_up_to: usize,
     /// The B fragments' scratch, shared by every matrix: launches on one stream run in
@@ -199,6 +206,12 @@ impl CudaWeights {
             add_normed_inputs: module.load_function("q4_0_add_normed_inputs")?,
             gated_inputs: module.load_function("q4_0_silu_gated_inputs")?,
             to_bf16: module.load_function("q4_0_to_bf16")?,
+            gemm_inputs: [
+                module.load_function("gemm_inputs_plain")?,
+                module.load_function("gemm_inputs_normed")?,
+                module.load_function("gemm_inputs_add_normed")?,
+                module.load_function("gemm_inputs_silu_gated")?,
+            ],
             split_up_to: self.split_up_to,
             fragments: Mutex::new(None),
         });
@@ -334,6 +347,14 @@ enum Source<'a> {
     SiluGated(Rows<'a>),
 }
 
+/// How a matmul runs: tensor-core launches from the codes, so shaped; or one bf16 GEMM over
+/// the dequantized matrix.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    Mma(MmaShape),
+    Gemm,
+}
+
 /// `f` of `t`'s rows, `ld` floats apart: `t` must hold f32 on a CUDA device.
 fn with_rows<R>(
     t: &Tensor,
@@ -452,10 +473,127 @@ impl Q4Matrix {
         Ok(y)
     }
 
-    /// The input rows and the output's dims for `x` by `shape`'s kernels.
-    fn mma_shapes(&self, x: &Tensor, shape: MmaShape) -> candle_core::Result<(usize, Vec<usize>)> {
-        if shape.kernel_index(1).is_none() {
-            candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
+    /// `y = x · Wᵀ` for the `m` rows of `x`, made from `source`, by one bf16 GEMM (cuBLAS,
+    /// f32 accumulation and output): one launch writes the inputs as bf16 rows, one
+    /// dequantizes W, then the GEMM.
+    fn gemm(&self, x: Rows<'_>, m: usize, source: Source<'_>) -> anyhow::Result<CudaSlice<f32>> {
+        let stream = self.kernels.device.cuda_stream();
+        let (k, ld) = (self.k as i32, x.ld as i32);
+        let xs = x.view(0, m, self.k);
+        // SAFETY: the input launch writes every element before the GEMM reads it.
+        let mut xb = unsafe { stream.alloc::<half::bf16>(m * self.k)? };
+        let cfg = LaunchConfig {
+            grid_dim: (m as u32, 1, 1),
+            block_dim: (GEMM_INPUT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = &self.kernels.gemm_inputs;
+        // SAFETY (all four): xs holds m rows of k floats `ld` apart (contiguous for the
+        // normed sources), `weight` k floats (checked by the caller), `add` and `sum` m
+        // contiguous rows, `up` the rows as `xs` does; xb m · k bf16. No more is touched.
+        match source {
+            Source::Plain => {
+                let mut l = stream.launch_builder(&f[0]);
+                l.arg(&xs).arg(&mut xb).arg(&k).arg(&ld);
+                unsafe { l.launch(cfg)? };
+            }
+            Source::Normed {
+                weight,
+                eps,
+                add: None,
+            } => {
+                let mut l = stream.launch_builder(&f[1]);
+                l.arg(&xs).arg(&weight).arg(&mut xb).arg(&k).arg(&eps);
+                unsafe { l.launch(cfg)? };
+            }
+            Source::Normed {
+                weight,
+                eps,
+                add: Some((h, sum)),
+            } => {
+                let hs = h.view(0, m, self.k);
+                let mut l = stream.launch_builder(&f[2]);
+                l.arg(&xs).arg(&hs).arg(sum).arg(&weight);
+                l.arg(&mut xb).arg(&k).arg(&eps);
+                unsafe { l.launch(cfg)? };
+            }
+            Source::SiluGated(up) => {
+                let us = up.view(0, m, self.k);
+                let mut l = stream.launch_builder(&f[3]);
+                l.arg(&xs).arg(&us).arg(&mut xb).arg(&k).arg(&ld);
+                unsafe { l.launch(cfg)? };
+            }
+        }
+        let w = self.bf16_planes()?;
+        // SAFETY: the GEMM writes every element.
+        let mut y = unsafe { stream.alloc::<f32>(m * self.n)? };
+        let (alpha, beta) = (1f32, 0f32);
+        let (n, m_i) = (self.n as i32, m as i32);
+        {
+            let (wp, _w) = w.device_ptr(&stream);
+            let (xp, _x) = xb.device_ptr(&stream);
+            let (yp, _y) = y.device_ptr_mut(&stream);
+            let blas = self.kernels.device.cublas_handle();
+            // Column-major, as cuBLAS reads: W (k × n, lda k) transposed times the inputs
+            // (k × m) gives Y (n × m, ldc n), which is row-major (m, n).
+            // SAFETY: the pointers hold n · k and m · k bf16 and m · n f32, on the stream
+            // cuBLAS runs on (candle's handle, bound to it); alpha and beta outlive the call.
+            unsafe {
+                cublas::gemm_ex(
+                    *blas.handle(),
+                    cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                    cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    n,
+                    m_i,
+                    k,
+                    (&alpha) as *const f32 as *const _,
+                    wp as *const _,
+                    cublas_sys::cudaDataType::CUDA_R_16BF,
+                    k,
+                    xp as *const _,
+                    cublas_sys::cudaDataType::CUDA_R_16BF,
+                    k,
+                    (&beta) as *const f32 as *const _,
+                    yp as *mut _,
+                    cublas_sys::cudaDataType::CUDA_R_32F,
+                    n,
+                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )?;
+            }
+        }
+        Ok(y)
+    }
+
+    /// `y = x · Wᵀ` by `path`.
+    fn run(
+        &self,
+        x: Rows<'_>,
+        m: usize,
+        path: Path,
+        source: Source<'_>,
+    ) -> anyhow::Result<CudaSlice<f32>> {
+        match path {
+            Path::Mma(shape) => self.mma(x, m, shape, source),
+            Path::Gemm => self.gemm(x, m, source),
+        }
+    }
+
+    /// The path the model takes for `m` input rows.
+    fn path(&self, m: usize) -> Path {
+        if m >= GEMM_FROM {
+            Path::Gemm
+        } else {
+            Path::Mma(MmaShape::for_matrix(self.n))
+        }
+    }
+
+    /// The input rows and the output's dims for `x` by `path`.
+    fn path_shapes(&self, x: &Tensor, path: Path) -> candle_core::Result<(usize, Vec<usize>)> {
+        if let Path::Mma(shape) = path {
+            if shape.kernel_index(1).is_none() {
+                candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
+            }
         }
         self.shapes(x)
     }
@@ -463,30 +601,38 @@ impl Q4Matrix {
     /// `x · Wᵀ` on the tensor cores, whatever the row count, launched as `shape` says (the
     /// model takes [`MmaShape::for_matrix`]).
     pub fn forward_mma(&self, x: &Tensor, shape: MmaShape) -> candle_core::Result<Tensor> {
-        let (m, out_dims) = self.mma_shapes(x, shape)?;
+        self.forward_by(x, Path::Mma(shape))
+    }
+
+    /// `x · Wᵀ` by a bf16 GEMM over the dequantized matrix, whatever the row count.
+    pub fn forward_gemm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.forward_by(x, Path::Gemm)
+    }
+
+    fn forward_by(&self, x: &Tensor, path: Path) -> candle_core::Result<Tensor> {
+        let (m, out_dims) = self.path_shapes(x, path)?;
         if m == 0 {
             return Tensor::zeros(out_dims, DType::F32, x.device());
         }
         let x = x.to_dtype(DType::F32)?.contiguous()?;
         let y = with_rows(&x, self.k, |rows| {
-            self.mma(rows, m, shape, Source::Plain)
-                .map_err(candle_error)
+            self.run(rows, m, path, Source::Plain).map_err(candle_error)
         })?;
         Ok(wrap(&self.kernels.device, y, &out_dims))
     }
 
-    /// `rms_norm(s, weight, eps) · Wᵀ` of `s = x + add` (`x` where nothing is added) on the
-    /// tensor cores, returned with `s`: the add and the norm folded into the launch that
-    /// prepares the inputs, which writes `s` as it reads it.
-    pub fn forward_mma_normed(
+    /// `rms_norm(s, weight, eps) · Wᵀ` of `s = x + add` (`x` where nothing is added) by
+    /// `path`, returned with `s`: the add and the norm folded into the launch that prepares
+    /// the inputs, which writes `s` as it reads it.
+    fn normed_by(
         &self,
         x: &Tensor,
         add: Option<&Tensor>,
         weight: &Tensor,
         eps: f32,
-        shape: MmaShape,
+        path: Path,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let (m, out_dims) = self.mma_shapes(x, shape)?;
+        let (m, out_dims) = self.path_shapes(x, path)?;
         if weight.dims() != [self.k] {
             candle_core::bail!("norm weights {:?} for a width of {}", weight.dims(), self.k);
         }
@@ -500,7 +646,7 @@ impl Q4Matrix {
         let x = x.to_dtype(DType::F32)?.contiguous()?;
         let weight = weight.to_dtype(DType::F32)?.contiguous()?;
         let Some(add) = add else {
-            let y = self.mma_normed(&x, &weight, eps, m, shape, None)?;
+            let y = self.run_normed(&x, &weight, eps, m, path, None)?;
             return Ok((x, wrap(&self.kernels.device, y, &out_dims)));
         };
         let add = add.to_dtype(DType::F32)?.contiguous()?;
@@ -508,41 +654,36 @@ impl Q4Matrix {
         // SAFETY: the input launches write every row of the sum before anything reads it.
         let mut sum = unsafe { stream.alloc::<f32>(m * self.k) }.map_err(candle_error)?;
         let y = with_rows(&add, self.k, |h| {
-            self.mma_normed(&x, &weight, eps, m, shape, Some((h, &mut sum)))
+            self.run_normed(&x, &weight, eps, m, path, Some((h, &mut sum)))
         })?;
         let device = &self.kernels.device;
         Ok((wrap(device, sum, x.dims()), wrap(device, y, &out_dims)))
     }
 
-    /// [`Q4Matrix::forward_mma_normed`]'s launches, of contiguous f32 `x` and `weight`.
-    fn mma_normed(
+    /// [`Q4Matrix::normed_by`]'s launches, of contiguous f32 `x` and `weight`.
+    fn run_normed(
         &self,
         x: &Tensor,
         weight: &Tensor,
         eps: f32,
         m: usize,
-        shape: MmaShape,
+        path: Path,
         add: Option<(Rows<'_>, &mut CudaSlice<f32>)>,
     ) -> candle_core::Result<CudaSlice<f32>> {
         with_rows(weight, self.k, |w| {
             with_rows(x, self.k, |rows| {
                 let weight = w.view(0, 1, self.k);
-                self.mma(rows, m, shape, Source::Normed { weight, eps, add })
+                self.run(rows, m, path, Source::Normed { weight, eps, add })
                     .map_err(candle_error)
             })
         })
     }
 
-    /// `(silu(gate) · up) · Wᵀ` on the tensor cores, the activation and product folded into
-    /// the launch that prepares the inputs. `gate` and `up` may be views into one output
-    /// (a stacked gate|up matmul's halves), rows equally apart in both.
-    pub fn forward_mma_silu_gated(
-        &self,
-        gate: &Tensor,
-        up: &Tensor,
-        shape: MmaShape,
-    ) -> candle_core::Result<Tensor> {
-        let (m, out_dims) = self.mma_shapes(gate, shape)?;
+    /// `(silu(gate) · up) · Wᵀ` by `path`, the activation and product folded into the launch
+    /// that prepares the inputs. `gate` and `up` may be views into one output (a stacked
+    /// gate|up matmul's halves), rows equally apart in both.
+    fn silu_gated_by(&self, gate: &Tensor, up: &Tensor, path: Path) -> candle_core::Result<Tensor> {
+        let (m, out_dims) = self.path_shapes(gate, path)?;
         if gate.dims() != up.dims() {
             candle_core::bail!("gate {:?} and up {:?} differ", gate.dims(), up.dims());
         }
@@ -556,27 +697,15 @@ impl Q4Matrix {
         ) {
             (Some(g), Some(u)) if g == u => g,
             // Rows the launch cannot address with one stride: the activation on its own.
-            _ => return self.forward_mma(&(gate.silu()? * up)?, shape),
+            _ => return self.forward_by(&(gate.silu()? * up)?, path),
         };
         let y = with_rows(&up, ld, |up| {
             with_rows(&gate, ld, |rows| {
-                self.mma(rows, m, shape, Source::SiluGated(up))
+                self.run(rows, m, path, Source::SiluGated(up))
                     .map_err(candle_error)
             })
         })?;
         Ok(wrap(&self.kernels.device, y, &out_dims))
-    }
-
-    /// `x · Wᵀ` by a bf16 GEMM over the dequantized matrix, whatever the row count.
-    pub fn forward_gemm(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (m, out_dims) = self.shapes(x)?;
-        let w = self.to_bf16().map_err(candle_error)?;
-        let y = x
-            .reshape((m, self.k))?
-            .to_dtype(DType::BF16)?
-            .matmul(&w.t()?)?
-            .to_dtype(DType::F32)?;
-        y.reshape(out_dims)
     }
 
     /// Input rows and the output's dims for `x`.
@@ -589,8 +718,8 @@ impl Q4Matrix {
         Ok((x.elem_count() / self.k, dims))
     }
 
-    /// The matrix as bf16 `(n, k)`, for a GEMM.
-    pub fn to_bf16(&self) -> anyhow::Result<Tensor> {
+    /// The matrix as bf16 `(n, k)`, row-major, for a GEMM.
+    fn bf16_planes(&self) -> anyhow::Result<CudaSlice<half::bf16>> {
         let stream = self.kernels.device.cuda_stream();
         // A 16-byte load of the code plane holds 32 weights.
         let loads = self.n * self.k / 32;
@@ -606,7 +735,7 @@ impl Q4Matrix {
             .arg(&count);
         // SAFETY: `loads` loads of 16 code bytes (and their scales) in, 32 bf16 each out.
         unsafe { l.launch(cfg)? };
-        Ok(wrap(&self.kernels.device, w, &[self.n, self.k]))
+        Ok(w)
     }
 }
 
@@ -652,21 +781,11 @@ impl DeviceMatrix for Q4Matrix {
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let m = x.elem_count() / self.k.max(1);
-        if m >= GEMM_FROM {
-            self.forward_gemm(x)
-        } else {
-            self.forward_mma(x, MmaShape::for_matrix(self.n))
-        }
+        self.forward_by(x, self.path(x.elem_count() / self.k.max(1)))
     }
 
     fn forward_silu_gated(&self, gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
-        let m = gate.elem_count() / self.k.max(1);
-        if m >= GEMM_FROM {
-            self.forward_gemm(&(gate.silu()? * up)?)
-        } else {
-            self.forward_mma_silu_gated(gate, up, MmaShape::for_matrix(self.n))
-        }
+        self.silu_gated_by(gate, up, self.path(gate.elem_count() / self.k.max(1)))
     }
 
     fn forward_normed(
@@ -676,15 +795,13 @@ impl DeviceMatrix for Q4Matrix {
         weight: &Tensor,
         eps: f32,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let m = x.elem_count() / self.k.max(1);
-        if m >= GEMM_FROM {
-            let s = residual_sum(x, add)?;
-            let y = self.forward_gemm(&rms_norm(&s, weight, eps)?)?;
-            Ok((s, y))
-        } else {
-            let shape = MmaShape::for_matrix(self.n);
-            self.forward_mma_normed(x, add, weight, eps, shape)
-        }
+        self.normed_by(
+            x,
+            add,
+            weight,
+            eps,
+            self.path(x.elem_count() / self.k.max(1)),
+        )
     }
     fn as_any(&self) -> &dyn Any {
         self
