@@ -527,6 +527,20 @@ impl Attention {
         let bias = self.qkv_bias.as_ref();
         let missing = || candle_core::Error::Msg("attention needs three projections".into());
         let (x, q, k, v) = match &self.qk_norm {
+            // Heads of one width: the stacked output is transposed to heads-major once, and
+            // q|k (roped as one) and v are views of it. A prefill chunk makes one copy of
+            // q|k|v rather than a reshape copy and a transpose copy of q|k and of v each.
+            None if self.value_dim == self.head_dim => {
+                let (x, parts) = self.qkv.forward_normed(s, norm, bias, &[3])?;
+                let [qkv]: [Tensor; 1] = parts.try_into().map_err(|_| missing())?;
+                let heads = self.heads + self.kv_heads;
+                let qkv = split(qkv, heads + self.kv_heads, self.head_dim)?;
+                let qk = rope.apply(&qkv.narrow(1, 0, heads)?)?;
+                let q = qk.narrow(1, 0, self.heads)?;
+                let k = qk.narrow(1, self.heads, self.kv_heads)?;
+                let v = qkv.narrow(1, heads, self.kv_heads)?.contiguous()?;
+                return Ok((x, Projected { q, k, v }));
+            }
             None => {
                 let (x, parts) = self.qkv.forward_normed(s, norm, bias, &[2, 1])?;
                 let [qk, v]: [Tensor; 2] = parts.try_into().map_err(|_| missing())?;
