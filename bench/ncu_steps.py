@@ -3,7 +3,7 @@
 pass: a forward ends at its sampling kernel (`fast_argmax_f32`). Prints each forward's kernel
 count and GPU time, then the decode forwards' median, and the kernels that take most of one.
 
-    python3 bench/ncu_steps.py ncu-affine4.csv [--decode-from N] [--top-of N]
+    python3 bench/ncu_steps.py ncu-affine4.csv [--decode-from N] [--top-of N] [--split-at KERNEL]
 """
 import csv, statistics, sys
 from collections import defaultdict
@@ -18,10 +18,16 @@ def main():
     name, metric, value = hdr.index("Kernel Name"), hdr.index("Metric Name"), hdr.index("Metric Value")
     kernels = [(r[name], float(r[value].replace(",", "")) / 1e6) for r in rows[1:]
                if len(r) == len(hdr) and r[metric] == "gpu__time_duration.sum"]
+    # --split-at NAME: a forward starts at kernel NAME (the embedding lookup, say, for
+    # prefill chunks, which end in no sampling kernel); by default it ends at the argmax.
+    split_at = sys.argv[sys.argv.index("--split-at") + 1] if "--split-at" in sys.argv else None
     forwards, cur = [], []
     for k in kernels:
+        if split_at is not None and k[0] == split_at and cur:
+            forwards.append(cur)
+            cur = []
         cur.append(k)
-        if k[0] == "fast_argmax_f32":
+        if split_at is None and k[0] == "fast_argmax_f32":
             forwards.append(cur)
             cur = []
     for i, f in enumerate(forwards):
