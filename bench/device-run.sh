@@ -33,6 +33,7 @@
 #           unprofiled
 #   weights weights-bench: tessera's Q4_0 matvec / bf16-GEMM path against an f64 reference
 #           and candle's, then every matmul of one 8B forward timed, ours and candle's
+#   wparity weights-bench's parity checks alone
 #   wvariants  weights-bench variants: weights.cu's build choices (and the host's input split)
 #           checked against the f64 reference and timed per kind of matrix (WVARIANTS: more
 #           --variant=NAME=V,… flags)
@@ -118,6 +119,7 @@ for step in "$@"; do
         done; done
       done ;;
     weights) log weights; $B/weights-bench 2>&1 | tee $OUT/weights-bench.txt ;;
+    wparity) log wparity; $B/weights-bench parity 2>&1 | tee $OUT/weights-parity.txt ;;
     wprofile)
       # Nsight Compute's full set on the model's launches for the output and a down matrix at
       # 1 and 8 rows (weights-bench profile).

@@ -113,16 +113,16 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
 #define SILU_GATED 2
 #define ADD_NORMED 3
 
-// One fragment word set (lane i of the grid) of rows `x` (`ld` floats apart) from SOURCE.
+// Fragment word set i (n8 tile j, block b, lane) of rows `x` (`ld` floats apart) from
+// SOURCE.
 template <int SOURCE>
-__device__ __forceinline__ void inputs_body(const float* __restrict__ x,
+__device__ __forceinline__ void inputs_body(int i, const float* __restrict__ x,
                                             const float* __restrict__ y, const float* inv,
                                             uint4* __restrict__ frag, int m, int k, int ld,
                                             int nt, int split,
                                             const float* __restrict__ add = nullptr,
                                             float* __restrict__ sum = nullptr) {
     const int kb = k >> 5;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= nt * kb * 32) return;
     const int lane = i & 31, b = (i >> 5) % kb, j = (i >> 5) / kb;
     const int col = 8 * j + (lane >> 2), t = lane & 3, row = split ? col >> 1 : col;
@@ -174,7 +174,8 @@ __device__ __forceinline__ void inputs_body(const float* __restrict__ x,
 
 extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __restrict__ frag,
                                        int m, int k, int nt, int split) {
-    inputs_body<PLAIN>(x, nullptr, nullptr, frag, m, k, k, nt, split);
+    inputs_body<PLAIN>(blockIdx.x * blockDim.x + threadIdx.x, x, nullptr, nullptr, frag, m, k,
+                       k, nt, split);
 }
 
 // q4_0_inputs of silu(gate) · up, rows `ld` floats apart (views into one gate|up output).
@@ -182,14 +183,17 @@ extern "C" __global__ void q4_0_silu_gated_inputs(const float* __restrict__ gate
                                                   const float* __restrict__ up,
                                                   uint4* __restrict__ frag, int m, int k,
                                                   int ld, int nt, int split) {
-    inputs_body<SILU_GATED>(gate, up, nullptr, frag, m, k, ld, nt, split);
+    inputs_body<SILU_GATED>(blockIdx.x * blockDim.x + threadIdx.x, gate, up, nullptr, frag, m,
+                            k, ld, nt, split);
 }
 
 // q4_0_inputs of RMS-normalized rows, x / sqrt(mean(x²) + eps) · w, as a separate norm
 // launch would give them (f32 throughout); with ADD, of the rows of x + add (the sum as a
-// separate add launch would give it, written to `sum`). Every block sums the squares of all
-// m ≤ 32 rows itself (a row is 16 KB at k = 4096, read from L2): no second launch, no grid
-// sync.
+// separate add launch would give it, written to `sum`). One block a fragment column (input
+// row, or its high part or residual; 8 · nt blocks): it sums the squares of its own row
+// (16 KB at k = 4096, from L2), then writes the column's words of every k block. No second
+// launch, no grid sync. (Blocks over the flat word index, each summing every row, took
+// 13 µs a launch at 16 rows on the H200: 8 blocks each reading all 256 KB.)
 template <bool ADD>
 __device__ __forceinline__ void normed_inputs(const float* __restrict__ x,
                                               const float* __restrict__ add,
@@ -197,12 +201,13 @@ __device__ __forceinline__ void normed_inputs(const float* __restrict__ x,
                                               const float* __restrict__ w,
                                               uint4* __restrict__ frag, int m, int k, int nt,
                                               int split, float eps) {
-    __shared__ float partial[32][32];
+    __shared__ float partial[32];
     __shared__ float inv[32];
+    const int c = blockIdx.x, row = split ? c >> 1 : c; // row ≥ m: a zero column
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int r = 0; r < m; r++) {
-        const float4* xr = (const float4*)(x + (size_t)r * k);
-        const float4* ar = (const float4*)(add + (size_t)r * k);
+    if (row < m) { // the same for the whole block
+        const float4* xr = (const float4*)(x + (size_t)row * k);
+        const float4* ar = (const float4*)(add + (size_t)row * k);
         float s = 0.f;
         for (int q = threadIdx.x; q < (k >> 2); q += blockDim.x) {
             float4 v = __ldg(xr + q);
@@ -214,17 +219,21 @@ __device__ __forceinline__ void normed_inputs(const float* __restrict__ x,
         }
 #pragma unroll
         for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) partial[r][warp] = s;
+        if (lane == 0) partial[warp] = s;
     }
     __syncthreads();
-    if (threadIdx.x < m) {
+    if (threadIdx.x == 0 && row < m) {
         float s = 0.f;
-        for (int q = 0; q < warps; q++) s += partial[threadIdx.x][q];
-        inv[threadIdx.x] = rsqrtf(s / (float)k + eps);
+        for (int q = 0; q < warps; q++) s += partial[q];
+        inv[row] = rsqrtf(s / (float)k + eps);
     }
     __syncthreads();
-    if (ADD) inputs_body<ADD_NORMED>(x, w, inv, frag, m, k, k, nt, split, add, sum);
-    else inputs_body<NORMED>(x, w, inv, frag, m, k, k, nt, split);
+    const int kb = k >> 5, j = c >> 3, g = c & 7;
+    for (int idx = threadIdx.x; idx < kb * 4; idx += blockDim.x) {
+        const int i = ((j * kb + (idx >> 2)) << 5) + (g << 2) + (idx & 3);
+        if (ADD) inputs_body<ADD_NORMED>(i, x, w, inv, frag, m, k, k, nt, split, add, sum);
+        else inputs_body<NORMED>(i, x, w, inv, frag, m, k, k, nt, split);
+    }
 }
 
 extern "C" __global__ void q4_0_normed_inputs(const float* __restrict__ x,

@@ -426,8 +426,8 @@ impl Q4Matrix {
                 }
                 Source::Normed { weight, eps, add } => {
                     // Also: `weight` holds k floats (checked by the caller), `add` and `sum`
-                    // the rows as `xs` does, contiguous; the kernel's sums hold at most 32
-                    // rows (`per_launch`) of 32 warps.
+                    // the rows as `xs` does, contiguous; the kernel's norms hold at most 32
+                    // rows (`per_launch`), its blocks at most 32 warps.
                     let mut l;
                     let (hs, mut ss);
                     match add {
@@ -444,7 +444,13 @@ impl Q4Matrix {
                     }
                     l.arg(&*weight).arg(&mut *frag).arg(&rows_i).arg(&k);
                     l.arg(&nt_i).arg(&split_i).arg(&*eps);
-                    unsafe { l.launch(inputs_cfg)? };
+                    // One block a fragment column, its threads over the k blocks' 4 lanes.
+                    let normed_cfg = LaunchConfig {
+                        grid_dim: ((8 * nt) as u32, 1, 1),
+                        block_dim: ((self.k / 8).min(1024) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    unsafe { l.launch(normed_cfg)? };
                 }
                 Source::SiluGated(up) => {
                     // Also: `up` holds the same rows, as far apart.
