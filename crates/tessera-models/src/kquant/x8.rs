@@ -149,15 +149,16 @@ impl Interleaved {
     ) {
         let size = if self.q4 { Q4X8_BYTES } else { Q6X8_BYTES };
         let group = self.bytes.as_ptr().add(g * self.kb * size);
+        let kb = self.kb;
         crate::q8_x8::row_tiles(acts_rows, 3, |i, mr| {
             let o = out.add(i * n);
             match (self.q4, mr) {
-                (true, 3) => kernels::q4_3(acts, i, group, self.kb, o, n),
-                (true, 2) => kernels::q4_2(acts, i, group, self.kb, o, n),
-                (true, _) => kernels::q4_1(acts, i, group, self.kb, o, n),
-                (false, 3) => kernels::q6_3(acts, i, group, self.kb, o, n),
-                (false, 2) => kernels::q6_2(acts, i, group, self.kb, o, n),
-                (false, _) => kernels::q6_1(acts, i, group, self.kb, o, n),
+                (true, 3) => kernels::q4_3(acts, i, group, 0, kb, o, n),
+                (true, 2) => kernels::q4_2(acts, i, group, 0, kb, o, n),
+                (true, _) => kernels::q4_1(acts, i, group, 0, kb, o, n),
+                (false, 3) => kernels::q6_3(acts, i, group, 0, kb, o, n),
+                (false, 2) => kernels::q6_2(acts, i, group, 0, kb, o, n),
+                (false, _) => kernels::q6_1(acts, i, group, 0, kb, o, n),
             }
         });
     }
@@ -185,269 +186,181 @@ impl Interleaved {
             let o = out.add(i * n);
             let kb = self.kb;
             match (self.q4, mr) {
-                (true, 3) => wide::q4_3(acts, i, group, stride, kb, o, n),
-                (true, 2) => wide::q4_2(acts, i, group, stride, kb, o, n),
-                (true, _) => wide::q4_1(acts, i, group, stride, kb, o, n),
-                (false, 3) => wide::q6_3(acts, i, group, stride, kb, o, n),
-                (false, 2) => wide::q6_2(acts, i, group, stride, kb, o, n),
-                (false, _) => wide::q6_1(acts, i, group, stride, kb, o, n),
+                (true, 3) => kernels::pair_q4_3(acts, i, group, stride, kb, o, n),
+                (true, 2) => kernels::pair_q4_2(acts, i, group, stride, kb, o, n),
+                (true, _) => kernels::pair_q4_1(acts, i, group, stride, kb, o, n),
+                (false, 3) => kernels::pair_q6_3(acts, i, group, stride, kb, o, n),
+                (false, 2) => kernels::pair_q6_2(acts, i, group, stride, kb, o, n),
+                (false, _) => kernels::pair_q6_1(acts, i, group, stride, kb, o, n),
             }
         });
     }
 }
 
+/// The vector width a group kernel runs at: one group of eight rows in 256-bit registers
+/// ([`Group`]), or two neighbouring groups side by side in 512-bit ones ([`Pair`]: every
+/// operand of group g is the low half, group g + 1's, `stride` bytes on, the high half). The
+/// kernels are written once over it, so each row's arithmetic is the same at both widths.
+/// The byte shuffles work within 128-bit lanes, so their patterns repeat.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::needless_range_loop)]
-mod kernels {
-    use super::*;
-    use crate::q8_x8::prefetch_ahead as prefetch;
+#[allow(clippy::missing_safety_doc)]
+mod width {
     use std::arch::x86_64::*;
 
-    /// Four activation codes, broadcast to every row's four bytes.
-    #[inline(always)]
-    unsafe fn codes4(p: *const i8) -> __m256i {
-        _mm256_set1_epi32((p as *const i32).read_unaligned())
+    pub(super) trait Width {
+        type I: Copy;
+        type F: Copy;
+        /// 32 bytes of each group at `p`.
+        unsafe fn load(p: *const u8, stride: usize) -> Self::I;
+        /// 16 unsigned (signed) bytes of each group at `p`, widened to i16.
+        unsafe fn u8_i16(p: *const u8, stride: usize) -> Self::I;
+        unsafe fn i8_i16(p: *const u8, stride: usize) -> Self::I;
+        /// 8 f16 of each group at `p`, as f32.
+        unsafe fn f16_f32(p: *const u8, stride: usize) -> Self::F;
+        /// The four bytes (or two i16) at `p` broadcast to every 32-bit lane.
+        unsafe fn splat4(p: *const u8) -> Self::I;
+        /// A 16-byte shuffle pattern in every 128-bit lane.
+        unsafe fn pattern(p: &[i8; 32]) -> Self::I;
+        unsafe fn bytes(b: i8) -> Self::I;
+        unsafe fn zero() -> Self::I;
+        unsafe fn and(a: Self::I, b: Self::I) -> Self::I;
+        unsafe fn or(a: Self::I, b: Self::I) -> Self::I;
+        unsafe fn srli16_4(a: Self::I) -> Self::I;
+        unsafe fn srli16_2(a: Self::I) -> Self::I;
+        unsafe fn slli16_4(a: Self::I) -> Self::I;
+        unsafe fn slli16_2(a: Self::I) -> Self::I;
+        /// −32 · a, per i32.
+        unsafe fn neg_times32(a: Self::I) -> Self::I;
+        unsafe fn shuffle(a: Self::I, pattern: Self::I) -> Self::I;
+        unsafe fn maddubs(a: Self::I, b: Self::I) -> Self::I;
+        unsafe fn add16(a: Self::I, b: Self::I) -> Self::I;
+        unsafe fn madd(a: Self::I, b: Self::I) -> Self::I;
+        unsafe fn add32(a: Self::I, b: Self::I) -> Self::I;
+        unsafe fn zero_f() -> Self::F;
+        unsafe fn splat_f(x: f32) -> Self::F;
+        unsafe fn to_f(a: Self::I) -> Self::F;
+        unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+        unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+        unsafe fn sub_f(a: Self::F, b: Self::F) -> Self::F;
+        unsafe fn store(p: *mut f32, a: Self::F);
     }
 
-    /// Two i16 sums (sub-blocks or halves 2p and 2p + 1) broadcast to every row's pair.
-    #[inline(always)]
-    unsafe fn sums2(p: *const i16) -> __m256i {
-        _mm256_set1_epi32((p as *const i32).read_unaligned())
-    }
+    /// One group of eight rows, 256-bit (AVX2).
+    pub(super) struct Group;
+    /// Two neighbouring groups, 512-bit (AVX-512 F and BW).
+    pub(super) struct Pair;
 
-    /// For a vector of `[row][2]` i16 pairs: the first of each pair in both lanes
-    /// (`EVEN`), or the second (`ODD`).
-    pub(super) const EVEN: [i8; 32] = [
-        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
-        13, 12, 13,
-    ];
-    pub(super) const ODD: [i8; 32] = [
-        2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10,
-        11, 14, 15, 14, 15,
-    ];
-
-    #[inline(always)]
-    unsafe fn q4<const MR: usize>(
-        a: &Acts,
-        i0: usize,
-        group: *const u8,
-        kb: usize,
-        out: *mut f32,
-        n: usize,
-    ) {
-        let k = a.k;
-        let mask = _mm256_set1_epi8(0x0F);
-        let even = _mm256_loadu_si256(EVEN.as_ptr() as *const __m256i);
-        let odd = _mm256_loadu_si256(ODD.as_ptr() as *const __m256i);
-        let mut accf = [_mm256_setzero_ps(); MR];
-        let mut accm = [_mm256_setzero_ps(); MR];
-        for b in 0..kb {
-            let blk = group.add(b * Q4X8_BYTES);
-            prefetch(blk, Q4X8_BYTES);
-            let mut acc = [_mm256_setzero_si256(); MR];
-            for p in 0..4 {
-                let pairs = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                    blk.add(Q4_SCALES + 16 * p) as *const __m128i
-                ));
-                let s_lo = _mm256_shuffle_epi8(pairs, even);
-                let s_hi = _mm256_shuffle_epi8(pairs, odd);
-                let mut sum_lo = [_mm256_setzero_si256(); MR];
-                let mut sum_hi = [_mm256_setzero_si256(); MR];
-                for v in 0..8 {
-                    let w = _mm256_loadu_si256(blk.add(Q4_QS + 256 * p + 32 * v) as *const __m256i);
-                    let lo = _mm256_and_si256(w, mask);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-                    for r in 0..MR {
-                        let aq = a.q.as_ptr().add((i0 + r) * k + b * QK + 64 * p + 4 * v);
-                        // At most 8 · 2 · 15 · 127 = 30480: exact in i16.
-                        sum_lo[r] =
-                            _mm256_add_epi16(sum_lo[r], _mm256_maddubs_epi16(lo, codes4(aq)));
-                        sum_hi[r] = _mm256_add_epi16(
-                            sum_hi[r],
-                            _mm256_maddubs_epi16(hi, codes4(aq.add(32))),
-                        );
-                    }
-                }
-                for r in 0..MR {
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(sum_lo[r], s_lo));
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(sum_hi[r], s_hi));
-                }
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
-            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i));
-            let mut mins = [_mm256_setzero_si256(); 4];
-            for p in 0..4 {
-                mins[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-                    blk.add(Q4_MINS + 16 * p) as *const __m128i
-                ));
-            }
-            for r in 0..MR {
-                let at = (i0 + r) * kb + b;
-                let da = _mm256_set1_ps(*a.d.get_unchecked(at));
-                accf[r] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(d, da), accf[r]);
-                let s32 = a.sums32.as_ptr().add(at * 8);
-                let mut m = _mm256_madd_epi16(mins[0], sums2(s32));
-                for p in 1..4 {
-                    m = _mm256_add_epi32(m, _mm256_madd_epi16(mins[p], sums2(s32.add(2 * p))));
-                }
-                accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, da), accm[r]);
-            }
+    impl Width for Group {
+        type I = __m256i;
+        type F = __m256;
+        #[inline(always)]
+        unsafe fn load(p: *const u8, _: usize) -> __m256i {
+            _mm256_loadu_si256(p as *const __m256i)
         }
-        for r in 0..MR {
-            _mm256_storeu_ps(out.add(r * n), _mm256_sub_ps(accf[r], accm[r]));
+        #[inline(always)]
+        unsafe fn u8_i16(p: *const u8, _: usize) -> __m256i {
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i))
         }
-    }
-
-    /// Run `run`'s two scales per row, as `[row][2]` i16 pairs.
-    #[inline(always)]
-    unsafe fn run_scales(blk: *const u8, run: usize) -> __m256i {
-        _mm256_cvtepi8_epi16(_mm_loadu_si128(
-            blk.add(Q6_SCALES + 16 * run) as *const __m128i
-        ))
-    }
-
-    #[inline(always)]
-    unsafe fn q6<const MR: usize>(
-        a: &Acts,
-        i0: usize,
-        group: *const u8,
-        kb: usize,
-        out: *mut f32,
-        n: usize,
-    ) {
-        let k = a.k;
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m2 = _mm256_set1_epi8(0x30);
-        let even = _mm256_loadu_si256(EVEN.as_ptr() as *const __m256i);
-        let odd = _mm256_loadu_si256(ODD.as_ptr() as *const __m256i);
-        let mut accf = [_mm256_setzero_ps(); MR];
-        for b in 0..kb {
-            let blk = group.add(b * Q6X8_BYTES);
-            prefetch(blk, Q6X8_BYTES);
-            // The codes are stored + 32: start from −32 · Σ scale · (sum of 16 codes).
-            let mut acc = [_mm256_setzero_si256(); MR];
-            for run in 0..8 {
-                let pairs = run_scales(blk, run);
-                for r in 0..MR {
-                    let s16 = a.sums16.as_ptr().add(((i0 + r) * kb + b) * 16 + 2 * run);
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, sums2(s16)));
-                }
-            }
-            for r in 0..MR {
-                acc[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(acc[r], 5));
-            }
-            for p in 0..4 {
-                // Runs 2p (low nibbles) and 2p + 1 (high), their high bits at pairs u, u + 1.
-                let u = 2 * (p % 2);
-                let (first, second) = (run_scales(blk, 2 * p), run_scales(blk, 2 * p + 1));
-                let scales = [
-                    _mm256_shuffle_epi8(first, even),
-                    _mm256_shuffle_epi8(first, odd),
-                    _mm256_shuffle_epi8(second, even),
-                    _mm256_shuffle_epi8(second, odd),
-                ];
-                for half in 0..2 {
-                    let mut sum_lo = [_mm256_setzero_si256(); MR];
-                    let mut sum_hi = [_mm256_setzero_si256(); MR];
-                    for step in 0..4 {
-                        let v = 4 * half + step;
-                        let w =
-                            _mm256_loadu_si256(blk.add(Q6_QL + 256 * p + 32 * v) as *const __m256i);
-                        let h = _mm256_loadu_si256(
-                            blk.add(Q6_QH + 256 * (p / 2) + 32 * v) as *const __m256i
-                        );
-                        let (h_lo, h_hi) = if u == 0 {
-                            (_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2))
-                        } else {
-                            (h, _mm256_srli_epi16(h, 2))
-                        };
-                        let lo =
-                            _mm256_or_si256(_mm256_and_si256(w, m4), _mm256_and_si256(h_lo, m2));
-                        let hi = _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16(w, 4), m4),
-                            _mm256_and_si256(h_hi, m2),
-                        );
-                        for r in 0..MR {
-                            let aq = a.q.as_ptr().add((i0 + r) * k + b * QK + 64 * p + 4 * v);
-                            sum_lo[r] =
-                                _mm256_add_epi16(sum_lo[r], _mm256_maddubs_epi16(lo, codes4(aq)));
-                            sum_hi[r] = _mm256_add_epi16(
-                                sum_hi[r],
-                                _mm256_maddubs_epi16(hi, codes4(aq.add(32))),
-                            );
-                        }
-                        // Two steps at most 2 · 2 · 63 · 127 = 32004: then weigh them.
-                        if step % 2 == 1 {
-                            for r in 0..MR {
-                                acc[r] = _mm256_add_epi32(
-                                    acc[r],
-                                    _mm256_madd_epi16(sum_lo[r], scales[half]),
-                                );
-                                acc[r] = _mm256_add_epi32(
-                                    acc[r],
-                                    _mm256_madd_epi16(sum_hi[r], scales[2 + half]),
-                                );
-                                sum_lo[r] = _mm256_setzero_si256();
-                                sum_hi[r] = _mm256_setzero_si256();
-                            }
-                        }
-                    }
-                }
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
-            for r in 0..MR {
-                let da = _mm256_set1_ps(*a.d.get_unchecked((i0 + r) * kb + b));
-                accf[r] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(d, da), accf[r]);
-            }
+        #[inline(always)]
+        unsafe fn i8_i16(p: *const u8, _: usize) -> __m256i {
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i))
         }
-        for r in 0..MR {
-            _mm256_storeu_ps(out.add(r * n), accf[r]);
+        #[inline(always)]
+        unsafe fn f16_f32(p: *const u8, _: usize) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
         }
-    }
-
-    macro_rules! entry {
-        ($name:ident, $body:ident, $mr:expr) => {
-            #[target_feature(enable = "avx2,fma,f16c")]
-            pub(super) unsafe fn $name(
-                a: &Acts,
-                i0: usize,
-                group: *const u8,
-                kb: usize,
-                out: *mut f32,
-                n: usize,
-            ) {
-                $body::<$mr>(a, i0, group, kb, out, n)
-            }
-        };
-    }
-
-    entry!(q4_1, q4, 1);
-    entry!(q4_2, q4, 2);
-    entry!(q4_3, q4, 3);
-    entry!(q6_1, q6, 1);
-    entry!(q6_2, q6, 2);
-    entry!(q6_3, q6, 3);
-}
-
-/// The kernels of `kernels` over two neighbouring groups at once: every 256-bit operand of
-/// group g there is the low half of a 512-bit one here, group g + 1's (`stride` bytes on)
-/// the high half. The byte shuffles work within 128-bit lanes, so their patterns repeat.
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::needless_range_loop)]
-mod wide {
-    use super::kernels::{EVEN, ODD};
-    use super::*;
-    use crate::q8_x8::prefetch_ahead as prefetch;
-    use std::arch::x86_64::*;
-
-    /// 32 bytes at `p` (group g) and at `p + stride` (group g + 1).
-    #[inline(always)]
-    unsafe fn pair32(p: *const u8, stride: usize) -> __m512i {
-        let lo = _mm256_loadu_si256(p as *const __m256i);
-        let hi = _mm256_loadu_si256(p.add(stride) as *const __m256i);
-        _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+        #[inline(always)]
+        unsafe fn splat4(p: *const u8) -> __m256i {
+            _mm256_set1_epi32((p as *const i32).read_unaligned())
+        }
+        #[inline(always)]
+        unsafe fn pattern(p: &[i8; 32]) -> __m256i {
+            _mm256_loadu_si256(p.as_ptr() as *const __m256i)
+        }
+        #[inline(always)]
+        unsafe fn bytes(b: i8) -> __m256i {
+            _mm256_set1_epi8(b)
+        }
+        #[inline(always)]
+        unsafe fn zero() -> __m256i {
+            _mm256_setzero_si256()
+        }
+        #[inline(always)]
+        unsafe fn and(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_and_si256(a, b)
+        }
+        #[inline(always)]
+        unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_or_si256(a, b)
+        }
+        #[inline(always)]
+        unsafe fn srli16_4(a: __m256i) -> __m256i {
+            _mm256_srli_epi16(a, 4)
+        }
+        #[inline(always)]
+        unsafe fn srli16_2(a: __m256i) -> __m256i {
+            _mm256_srli_epi16(a, 2)
+        }
+        #[inline(always)]
+        unsafe fn slli16_4(a: __m256i) -> __m256i {
+            _mm256_slli_epi16(a, 4)
+        }
+        #[inline(always)]
+        unsafe fn slli16_2(a: __m256i) -> __m256i {
+            _mm256_slli_epi16(a, 2)
+        }
+        #[inline(always)]
+        unsafe fn neg_times32(a: __m256i) -> __m256i {
+            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(a, 5))
+        }
+        #[inline(always)]
+        unsafe fn shuffle(a: __m256i, pattern: __m256i) -> __m256i {
+            _mm256_shuffle_epi8(a, pattern)
+        }
+        #[inline(always)]
+        unsafe fn maddubs(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(a, b)
+        }
+        #[inline(always)]
+        unsafe fn add16(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_add_epi16(a, b)
+        }
+        #[inline(always)]
+        unsafe fn madd(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_madd_epi16(a, b)
+        }
+        #[inline(always)]
+        unsafe fn add32(a: __m256i, b: __m256i) -> __m256i {
+            _mm256_add_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn zero_f() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat_f(x: f32) -> __m256 {
+            _mm256_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn to_f(a: __m256i) -> __m256 {
+            _mm256_cvtepi32_ps(a)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn sub_f(a: __m256, b: __m256) -> __m256 {
+            _mm256_sub_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, a: __m256) {
+            _mm256_storeu_ps(p, a)
+        }
     }
 
     /// 16 bytes at `p` and at `p + stride`, as one 256-bit vector.
@@ -458,24 +371,159 @@ mod wide {
         _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1)
     }
 
+    impl Width for Pair {
+        type I = __m512i;
+        type F = __m512;
+        #[inline(always)]
+        unsafe fn load(p: *const u8, stride: usize) -> __m512i {
+            let lo = _mm256_loadu_si256(p as *const __m256i);
+            let hi = _mm256_loadu_si256(p.add(stride) as *const __m256i);
+            _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+        }
+        #[inline(always)]
+        unsafe fn u8_i16(p: *const u8, stride: usize) -> __m512i {
+            _mm512_cvtepu8_epi16(pair16(p, stride))
+        }
+        #[inline(always)]
+        unsafe fn i8_i16(p: *const u8, stride: usize) -> __m512i {
+            _mm512_cvtepi8_epi16(pair16(p, stride))
+        }
+        #[inline(always)]
+        unsafe fn f16_f32(p: *const u8, stride: usize) -> __m512 {
+            _mm512_cvtph_ps(pair16(p, stride))
+        }
+        #[inline(always)]
+        unsafe fn splat4(p: *const u8) -> __m512i {
+            _mm512_set1_epi32((p as *const i32).read_unaligned())
+        }
+        #[inline(always)]
+        unsafe fn pattern(p: &[i8; 32]) -> __m512i {
+            _mm512_broadcast_i32x4(_mm_loadu_si128(p.as_ptr() as *const __m128i))
+        }
+        #[inline(always)]
+        unsafe fn bytes(b: i8) -> __m512i {
+            _mm512_set1_epi8(b)
+        }
+        #[inline(always)]
+        unsafe fn zero() -> __m512i {
+            _mm512_setzero_si512()
+        }
+        #[inline(always)]
+        unsafe fn and(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_and_si512(a, b)
+        }
+        #[inline(always)]
+        unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_or_si512(a, b)
+        }
+        #[inline(always)]
+        unsafe fn srli16_4(a: __m512i) -> __m512i {
+            _mm512_srli_epi16(a, 4)
+        }
+        #[inline(always)]
+        unsafe fn srli16_2(a: __m512i) -> __m512i {
+            _mm512_srli_epi16(a, 2)
+        }
+        #[inline(always)]
+        unsafe fn slli16_4(a: __m512i) -> __m512i {
+            _mm512_slli_epi16(a, 4)
+        }
+        #[inline(always)]
+        unsafe fn slli16_2(a: __m512i) -> __m512i {
+            _mm512_slli_epi16(a, 2)
+        }
+        #[inline(always)]
+        unsafe fn neg_times32(a: __m512i) -> __m512i {
+            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(a, 5))
+        }
+        #[inline(always)]
+        unsafe fn shuffle(a: __m512i, pattern: __m512i) -> __m512i {
+            _mm512_shuffle_epi8(a, pattern)
+        }
+        #[inline(always)]
+        unsafe fn maddubs(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_maddubs_epi16(a, b)
+        }
+        #[inline(always)]
+        unsafe fn add16(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_add_epi16(a, b)
+        }
+        #[inline(always)]
+        unsafe fn madd(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_madd_epi16(a, b)
+        }
+        #[inline(always)]
+        unsafe fn add32(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_add_epi32(a, b)
+        }
+        #[inline(always)]
+        unsafe fn zero_f() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat_f(x: f32) -> __m512 {
+            _mm512_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn to_f(a: __m512i) -> __m512 {
+            _mm512_cvtepi32_ps(a)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn sub_f(a: __m512, b: __m512) -> __m512 {
+            _mm512_sub_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, a: __m512) {
+            _mm512_storeu_ps(p, a)
+        }
+    }
+}
+
+/// The group kernels at either [`width::Width`], and their entry points per width and row
+/// count (each compiled for its width's instructions).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+mod kernels {
+    use super::width::{Group, Pair, Width};
+    use super::*;
+    use crate::q8_x8::prefetch_ahead as prefetch;
+
+    /// For a vector of `[row][2]` i16 pairs: the first of each pair in both lanes
+    /// (`EVEN`), or the second (`ODD`).
+    const EVEN: [i8; 32] = [
+        0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12,
+        13, 12, 13,
+    ];
+    const ODD: [i8; 32] = [
+        2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10,
+        11, 14, 15, 14, 15,
+    ];
+
+    /// Four activation codes (or two i16 sums), broadcast to every row's four bytes.
     #[inline(always)]
-    unsafe fn codes4(p: *const i8) -> __m512i {
-        _mm512_set1_epi32((p as *const i32).read_unaligned())
+    unsafe fn splat<W: Width, T>(p: *const T) -> W::I {
+        W::splat4(p as *const u8)
+    }
+
+    /// The prefetches of one superblock of the group(s).
+    #[inline(always)]
+    unsafe fn fetch<W: Width>(blk: *const u8, stride: usize, bytes: usize) {
+        prefetch(blk, bytes);
+        if std::mem::size_of::<W::I>() == 64 {
+            prefetch(blk.add(stride), bytes);
+        }
     }
 
     #[inline(always)]
-    unsafe fn sums2(p: *const i16) -> __m512i {
-        _mm512_set1_epi32((p as *const i32).read_unaligned())
-    }
-
-    /// `kernels`' EVEN / ODD pair shuffles, one per 128-bit lane.
-    #[inline(always)]
-    unsafe fn lanes(pattern: &[i8; 32]) -> __m512i {
-        _mm512_broadcast_i32x4(_mm_loadu_si128(pattern.as_ptr() as *const __m128i))
-    }
-
-    #[inline(always)]
-    unsafe fn q4<const MR: usize>(
+    unsafe fn q4<W: Width, const MR: usize>(
         a: &Acts,
         i0: usize,
         group: *const u8,
@@ -485,71 +533,61 @@ mod wide {
         n: usize,
     ) {
         let k = a.k;
-        let mask = _mm512_set1_epi8(0x0F);
-        let (even, odd) = (lanes(&EVEN), lanes(&ODD));
-        let mut accf = [_mm512_setzero_ps(); MR];
-        let mut accm = [_mm512_setzero_ps(); MR];
+        let mask = W::bytes(0x0F);
+        let (even, odd) = (W::pattern(&EVEN), W::pattern(&ODD));
+        let mut accf = [W::zero_f(); MR];
+        let mut accm = [W::zero_f(); MR];
         for b in 0..kb {
             let blk = group.add(b * Q4X8_BYTES);
-            prefetch(blk, Q4X8_BYTES);
-            prefetch(blk.add(stride), Q4X8_BYTES);
-            let mut acc = [_mm512_setzero_si512(); MR];
+            fetch::<W>(blk, stride, Q4X8_BYTES);
+            let mut acc = [W::zero(); MR];
             for p in 0..4 {
-                let pairs = _mm512_cvtepu8_epi16(pair16(blk.add(Q4_SCALES + 16 * p), stride));
-                let s_lo = _mm512_shuffle_epi8(pairs, even);
-                let s_hi = _mm512_shuffle_epi8(pairs, odd);
-                let mut sum_lo = [_mm512_setzero_si512(); MR];
-                let mut sum_hi = [_mm512_setzero_si512(); MR];
+                let pairs = W::u8_i16(blk.add(Q4_SCALES + 16 * p), stride);
+                let s_lo = W::shuffle(pairs, even);
+                let s_hi = W::shuffle(pairs, odd);
+                let mut sum_lo = [W::zero(); MR];
+                let mut sum_hi = [W::zero(); MR];
                 for v in 0..8 {
-                    let w = pair32(blk.add(Q4_QS + 256 * p + 32 * v), stride);
-                    let lo = _mm512_and_si512(w, mask);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask);
+                    let w = W::load(blk.add(Q4_QS + 256 * p + 32 * v), stride);
+                    let lo = W::and(w, mask);
+                    let hi = W::and(W::srli16_4(w), mask);
                     for r in 0..MR {
                         let aq = a.q.as_ptr().add((i0 + r) * k + b * QK + 64 * p + 4 * v);
-                        sum_lo[r] =
-                            _mm512_add_epi16(sum_lo[r], _mm512_maddubs_epi16(lo, codes4(aq)));
-                        sum_hi[r] = _mm512_add_epi16(
-                            sum_hi[r],
-                            _mm512_maddubs_epi16(hi, codes4(aq.add(32))),
-                        );
+                        // At most 8 · 2 · 15 · 127 = 30480: exact in i16.
+                        sum_lo[r] = W::add16(sum_lo[r], W::maddubs(lo, splat::<W, _>(aq)));
+                        sum_hi[r] = W::add16(sum_hi[r], W::maddubs(hi, splat::<W, _>(aq.add(32))));
                     }
                 }
                 for r in 0..MR {
-                    acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(sum_lo[r], s_lo));
-                    acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(sum_hi[r], s_hi));
+                    acc[r] = W::add32(acc[r], W::madd(sum_lo[r], s_lo));
+                    acc[r] = W::add32(acc[r], W::madd(sum_hi[r], s_hi));
                 }
             }
-            let d = _mm512_cvtph_ps(pair16(blk, stride));
-            let dmin = _mm512_cvtph_ps(pair16(blk.add(16), stride));
-            let mut mins = [_mm512_setzero_si512(); 4];
+            let d = W::f16_f32(blk, stride);
+            let dmin = W::f16_f32(blk.add(16), stride);
+            let mut mins = [W::zero(); 4];
             for p in 0..4 {
-                mins[p] = _mm512_cvtepu8_epi16(pair16(blk.add(Q4_MINS + 16 * p), stride));
+                mins[p] = W::u8_i16(blk.add(Q4_MINS + 16 * p), stride);
             }
             for r in 0..MR {
                 let at = (i0 + r) * kb + b;
-                let da = _mm512_set1_ps(*a.d.get_unchecked(at));
-                accf[r] =
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, da), accf[r]);
+                let da = W::splat_f(*a.d.get_unchecked(at));
+                accf[r] = W::fmadd(W::to_f(acc[r]), W::mul(d, da), accf[r]);
                 let s32 = a.sums32.as_ptr().add(at * 8);
-                let mut m = _mm512_madd_epi16(mins[0], sums2(s32));
+                let mut m = W::madd(mins[0], splat::<W, _>(s32));
                 for p in 1..4 {
-                    m = _mm512_add_epi32(m, _mm512_madd_epi16(mins[p], sums2(s32.add(2 * p))));
+                    m = W::add32(m, W::madd(mins[p], splat::<W, _>(s32.add(2 * p))));
                 }
-                accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin, da), accm[r]);
+                accm[r] = W::fmadd(W::to_f(m), W::mul(dmin, da), accm[r]);
             }
         }
         for r in 0..MR {
-            _mm512_storeu_ps(out.add(r * n), _mm512_sub_ps(accf[r], accm[r]));
+            W::store(out.add(r * n), W::sub_f(accf[r], accm[r]));
         }
     }
 
     #[inline(always)]
-    unsafe fn run_scales(blk: *const u8, stride: usize, run: usize) -> __m512i {
-        _mm512_cvtepi8_epi16(pair16(blk.add(Q6_SCALES + 16 * run), stride))
-    }
-
-    #[inline(always)]
-    unsafe fn q6<const MR: usize>(
+    unsafe fn q6<W: Width, const MR: usize>(
         a: &Acts,
         i0: usize,
         group: *const u8,
@@ -559,96 +597,84 @@ mod wide {
         n: usize,
     ) {
         let k = a.k;
-        let m4 = _mm512_set1_epi8(0x0F);
-        let m2 = _mm512_set1_epi8(0x30);
-        let (even, odd) = (lanes(&EVEN), lanes(&ODD));
-        let mut accf = [_mm512_setzero_ps(); MR];
+        let m4 = W::bytes(0x0F);
+        let m2 = W::bytes(0x30);
+        let (even, odd) = (W::pattern(&EVEN), W::pattern(&ODD));
+        // Run `run`'s two scales per row, as `[row][2]` i16 pairs.
+        let run_scales =
+            |blk: *const u8, run: usize| W::i8_i16(blk.add(Q6_SCALES + 16 * run), stride);
+        let mut accf = [W::zero_f(); MR];
         for b in 0..kb {
             let blk = group.add(b * Q6X8_BYTES);
-            prefetch(blk, Q6X8_BYTES);
-            prefetch(blk.add(stride), Q6X8_BYTES);
-            let mut acc = [_mm512_setzero_si512(); MR];
+            fetch::<W>(blk, stride, Q6X8_BYTES);
+            // The codes are stored + 32: start from −32 · Σ scale · (sum of 16 codes).
+            let mut acc = [W::zero(); MR];
             for run in 0..8 {
-                let pairs = run_scales(blk, stride, run);
+                let pairs = run_scales(blk, run);
                 for r in 0..MR {
                     let s16 = a.sums16.as_ptr().add(((i0 + r) * kb + b) * 16 + 2 * run);
-                    acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(pairs, sums2(s16)));
+                    acc[r] = W::add32(acc[r], W::madd(pairs, splat::<W, _>(s16)));
                 }
             }
             for r in 0..MR {
-                acc[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(acc[r], 5));
+                acc[r] = W::neg_times32(acc[r]);
             }
             for p in 0..4 {
+                // Runs 2p (low nibbles) and 2p + 1 (high), their high bits at pairs u, u + 1.
                 let u = 2 * (p % 2);
-                let (first, second) = (
-                    run_scales(blk, stride, 2 * p),
-                    run_scales(blk, stride, 2 * p + 1),
-                );
+                let (first, second) = (run_scales(blk, 2 * p), run_scales(blk, 2 * p + 1));
                 let scales = [
-                    _mm512_shuffle_epi8(first, even),
-                    _mm512_shuffle_epi8(first, odd),
-                    _mm512_shuffle_epi8(second, even),
-                    _mm512_shuffle_epi8(second, odd),
+                    W::shuffle(first, even),
+                    W::shuffle(first, odd),
+                    W::shuffle(second, even),
+                    W::shuffle(second, odd),
                 ];
                 for half in 0..2 {
-                    let mut sum_lo = [_mm512_setzero_si512(); MR];
-                    let mut sum_hi = [_mm512_setzero_si512(); MR];
+                    let mut sum_lo = [W::zero(); MR];
+                    let mut sum_hi = [W::zero(); MR];
                     for step in 0..4 {
                         let v = 4 * half + step;
-                        let w = pair32(blk.add(Q6_QL + 256 * p + 32 * v), stride);
-                        let h = pair32(blk.add(Q6_QH + 256 * (p / 2) + 32 * v), stride);
+                        let w = W::load(blk.add(Q6_QL + 256 * p + 32 * v), stride);
+                        let h = W::load(blk.add(Q6_QH + 256 * (p / 2) + 32 * v), stride);
                         let (h_lo, h_hi) = if u == 0 {
-                            (_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2))
+                            (W::slli16_4(h), W::slli16_2(h))
                         } else {
-                            (h, _mm512_srli_epi16(h, 2))
+                            (h, W::srli16_2(h))
                         };
-                        let lo =
-                            _mm512_or_si512(_mm512_and_si512(w, m4), _mm512_and_si512(h_lo, m2));
-                        let hi = _mm512_or_si512(
-                            _mm512_and_si512(_mm512_srli_epi16(w, 4), m4),
-                            _mm512_and_si512(h_hi, m2),
-                        );
+                        let lo = W::or(W::and(w, m4), W::and(h_lo, m2));
+                        let hi = W::or(W::and(W::srli16_4(w), m4), W::and(h_hi, m2));
                         for r in 0..MR {
                             let aq = a.q.as_ptr().add((i0 + r) * k + b * QK + 64 * p + 4 * v);
-                            sum_lo[r] =
-                                _mm512_add_epi16(sum_lo[r], _mm512_maddubs_epi16(lo, codes4(aq)));
-                            sum_hi[r] = _mm512_add_epi16(
-                                sum_hi[r],
-                                _mm512_maddubs_epi16(hi, codes4(aq.add(32))),
-                            );
+                            sum_lo[r] = W::add16(sum_lo[r], W::maddubs(lo, splat::<W, _>(aq)));
+                            sum_hi[r] =
+                                W::add16(sum_hi[r], W::maddubs(hi, splat::<W, _>(aq.add(32))));
                         }
+                        // Two steps at most 2 · 2 · 63 · 127 = 32004: then weigh them.
                         if step % 2 == 1 {
                             for r in 0..MR {
-                                acc[r] = _mm512_add_epi32(
-                                    acc[r],
-                                    _mm512_madd_epi16(sum_lo[r], scales[half]),
-                                );
-                                acc[r] = _mm512_add_epi32(
-                                    acc[r],
-                                    _mm512_madd_epi16(sum_hi[r], scales[2 + half]),
-                                );
-                                sum_lo[r] = _mm512_setzero_si512();
-                                sum_hi[r] = _mm512_setzero_si512();
+                                acc[r] = W::add32(acc[r], W::madd(sum_lo[r], scales[half]));
+                                acc[r] = W::add32(acc[r], W::madd(sum_hi[r], scales[2 + half]));
+                                sum_lo[r] = W::zero();
+                                sum_hi[r] = W::zero();
                             }
                         }
                     }
                 }
             }
-            let d = _mm512_cvtph_ps(pair16(blk, stride));
+            let d = W::f16_f32(blk, stride);
             for r in 0..MR {
-                let da = _mm512_set1_ps(*a.d.get_unchecked((i0 + r) * kb + b));
-                accf[r] =
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(d, da), accf[r]);
+                let da = W::splat_f(*a.d.get_unchecked((i0 + r) * kb + b));
+                accf[r] = W::fmadd(W::to_f(acc[r]), W::mul(d, da), accf[r]);
             }
         }
         for r in 0..MR {
-            _mm512_storeu_ps(out.add(r * n), accf[r]);
+            W::store(out.add(r * n), accf[r]);
         }
     }
 
     macro_rules! entry {
-        ($name:ident, $body:ident, $mr:expr) => {
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        ($name:ident, $body:ident, $width:ty, $mr:expr, $features:literal) => {
+            #[target_feature(enable = $features)]
             pub(super) unsafe fn $name(
                 a: &Acts,
                 i0: usize,
@@ -658,15 +684,57 @@ mod wide {
                 out: *mut f32,
                 n: usize,
             ) {
-                $body::<$mr>(a, i0, group, stride, kb, out, n)
+                $body::<$width, $mr>(a, i0, group, stride, kb, out, n)
             }
         };
     }
 
-    entry!(q4_1, q4, 1);
-    entry!(q4_2, q4, 2);
-    entry!(q4_3, q4, 3);
-    entry!(q6_1, q6, 1);
-    entry!(q6_2, q6, 2);
-    entry!(q6_3, q6, 3);
+    entry!(q4_1, q4, Group, 1, "avx2,fma,f16c");
+    entry!(q4_2, q4, Group, 2, "avx2,fma,f16c");
+    entry!(q4_3, q4, Group, 3, "avx2,fma,f16c");
+    entry!(q6_1, q6, Group, 1, "avx2,fma,f16c");
+    entry!(q6_2, q6, Group, 2, "avx2,fma,f16c");
+    entry!(q6_3, q6, Group, 3, "avx2,fma,f16c");
+    entry!(
+        pair_q4_1,
+        q4,
+        Pair,
+        1,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+    );
+    entry!(
+        pair_q4_2,
+        q4,
+        Pair,
+        2,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+    );
+    entry!(
+        pair_q4_3,
+        q4,
+        Pair,
+        3,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+    );
+    entry!(
+        pair_q6_1,
+        q6,
+        Pair,
+        1,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+    );
+    entry!(
+        pair_q6_2,
+        q6,
+        Pair,
+        2,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+    );
+    entry!(
+        pair_q6_3,
+        q6,
+        Pair,
+        3,
+        "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+    );
 }
