@@ -250,6 +250,19 @@ mod width {
     /// Two neighbouring groups, 512-bit (AVX-512 F and BW).
     pub(super) struct Pair;
 
+    /// Trait methods that are one intrinsic each, of the same arguments (and, for the
+    /// shifts, a constant count).
+    macro_rules! one_op {
+        ($($name:ident($($arg:ident: $t:ty),*) -> $r:ty = $op:ident $(, $count:literal)?;)*) => {
+            $(
+                #[inline(always)]
+                unsafe fn $name($($arg: $t),*) -> $r {
+                    $op($($arg),* $(, $count)?)
+                }
+            )*
+        };
+    }
+
     impl Width for Group {
         type I = __m256i;
         type F = __m256;
@@ -278,88 +291,30 @@ mod width {
             _mm256_loadu_si256(p.as_ptr() as *const __m256i)
         }
         #[inline(always)]
-        unsafe fn bytes(b: i8) -> __m256i {
-            _mm256_set1_epi8(b)
-        }
-        #[inline(always)]
-        unsafe fn zero() -> __m256i {
-            _mm256_setzero_si256()
-        }
-        #[inline(always)]
-        unsafe fn and(a: __m256i, b: __m256i) -> __m256i {
-            _mm256_and_si256(a, b)
-        }
-        #[inline(always)]
-        unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
-            _mm256_or_si256(a, b)
-        }
-        #[inline(always)]
-        unsafe fn srli16_4(a: __m256i) -> __m256i {
-            _mm256_srli_epi16(a, 4)
-        }
-        #[inline(always)]
-        unsafe fn srli16_2(a: __m256i) -> __m256i {
-            _mm256_srli_epi16(a, 2)
-        }
-        #[inline(always)]
-        unsafe fn slli16_4(a: __m256i) -> __m256i {
-            _mm256_slli_epi16(a, 4)
-        }
-        #[inline(always)]
-        unsafe fn slli16_2(a: __m256i) -> __m256i {
-            _mm256_slli_epi16(a, 2)
-        }
-        #[inline(always)]
         unsafe fn neg_times32(a: __m256i) -> __m256i {
             _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(a, 5))
         }
-        #[inline(always)]
-        unsafe fn shuffle(a: __m256i, pattern: __m256i) -> __m256i {
-            _mm256_shuffle_epi8(a, pattern)
-        }
-        #[inline(always)]
-        unsafe fn maddubs(a: __m256i, b: __m256i) -> __m256i {
-            _mm256_maddubs_epi16(a, b)
-        }
-        #[inline(always)]
-        unsafe fn add16(a: __m256i, b: __m256i) -> __m256i {
-            _mm256_add_epi16(a, b)
-        }
-        #[inline(always)]
-        unsafe fn madd(a: __m256i, b: __m256i) -> __m256i {
-            _mm256_madd_epi16(a, b)
-        }
-        #[inline(always)]
-        unsafe fn add32(a: __m256i, b: __m256i) -> __m256i {
-            _mm256_add_epi32(a, b)
-        }
-        #[inline(always)]
-        unsafe fn zero_f() -> __m256 {
-            _mm256_setzero_ps()
-        }
-        #[inline(always)]
-        unsafe fn splat_f(x: f32) -> __m256 {
-            _mm256_set1_ps(x)
-        }
-        #[inline(always)]
-        unsafe fn to_f(a: __m256i) -> __m256 {
-            _mm256_cvtepi32_ps(a)
-        }
-        #[inline(always)]
-        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
-            _mm256_mul_ps(a, b)
-        }
-        #[inline(always)]
-        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
-            _mm256_fmadd_ps(a, b, c)
-        }
-        #[inline(always)]
-        unsafe fn sub_f(a: __m256, b: __m256) -> __m256 {
-            _mm256_sub_ps(a, b)
-        }
-        #[inline(always)]
-        unsafe fn store(p: *mut f32, a: __m256) {
-            _mm256_storeu_ps(p, a)
+        one_op! {
+            bytes(b: i8) -> __m256i = _mm256_set1_epi8;
+            srli16_4(a: __m256i) -> __m256i = _mm256_srli_epi16, 4;
+            srli16_2(a: __m256i) -> __m256i = _mm256_srli_epi16, 2;
+            slli16_4(a: __m256i) -> __m256i = _mm256_slli_epi16, 4;
+            slli16_2(a: __m256i) -> __m256i = _mm256_slli_epi16, 2;
+            zero() -> __m256i = _mm256_setzero_si256;
+            and(a: __m256i, b: __m256i) -> __m256i = _mm256_and_si256;
+            or(a: __m256i, b: __m256i) -> __m256i = _mm256_or_si256;
+            shuffle(a: __m256i, b: __m256i) -> __m256i = _mm256_shuffle_epi8;
+            maddubs(a: __m256i, b: __m256i) -> __m256i = _mm256_maddubs_epi16;
+            add16(a: __m256i, b: __m256i) -> __m256i = _mm256_add_epi16;
+            madd(a: __m256i, b: __m256i) -> __m256i = _mm256_madd_epi16;
+            add32(a: __m256i, b: __m256i) -> __m256i = _mm256_add_epi32;
+            zero_f() -> __m256 = _mm256_setzero_ps;
+            splat_f(x: f32) -> __m256 = _mm256_set1_ps;
+            to_f(a: __m256i) -> __m256 = _mm256_cvtepi32_ps;
+            mul(a: __m256, b: __m256) -> __m256 = _mm256_mul_ps;
+            fmadd(a: __m256, b: __m256, c: __m256) -> __m256 = _mm256_fmadd_ps;
+            sub_f(a: __m256, b: __m256) -> __m256 = _mm256_sub_ps;
+            store(p: *mut f32, a: __m256) -> () = _mm256_storeu_ps;
         }
     }
 
@@ -401,88 +356,30 @@ mod width {
             _mm512_broadcast_i32x4(_mm_loadu_si128(p.as_ptr() as *const __m128i))
         }
         #[inline(always)]
-        unsafe fn bytes(b: i8) -> __m512i {
-            _mm512_set1_epi8(b)
-        }
-        #[inline(always)]
-        unsafe fn zero() -> __m512i {
-            _mm512_setzero_si512()
-        }
-        #[inline(always)]
-        unsafe fn and(a: __m512i, b: __m512i) -> __m512i {
-            _mm512_and_si512(a, b)
-        }
-        #[inline(always)]
-        unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
-            _mm512_or_si512(a, b)
-        }
-        #[inline(always)]
-        unsafe fn srli16_4(a: __m512i) -> __m512i {
-            _mm512_srli_epi16(a, 4)
-        }
-        #[inline(always)]
-        unsafe fn srli16_2(a: __m512i) -> __m512i {
-            _mm512_srli_epi16(a, 2)
-        }
-        #[inline(always)]
-        unsafe fn slli16_4(a: __m512i) -> __m512i {
-            _mm512_slli_epi16(a, 4)
-        }
-        #[inline(always)]
-        unsafe fn slli16_2(a: __m512i) -> __m512i {
-            _mm512_slli_epi16(a, 2)
-        }
-        #[inline(always)]
         unsafe fn neg_times32(a: __m512i) -> __m512i {
             _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(a, 5))
         }
-        #[inline(always)]
-        unsafe fn shuffle(a: __m512i, pattern: __m512i) -> __m512i {
-            _mm512_shuffle_epi8(a, pattern)
-        }
-        #[inline(always)]
-        unsafe fn maddubs(a: __m512i, b: __m512i) -> __m512i {
-            _mm512_maddubs_epi16(a, b)
-        }
-        #[inline(always)]
-        unsafe fn add16(a: __m512i, b: __m512i) -> __m512i {
-            _mm512_add_epi16(a, b)
-        }
-        #[inline(always)]
-        unsafe fn madd(a: __m512i, b: __m512i) -> __m512i {
-            _mm512_madd_epi16(a, b)
-        }
-        #[inline(always)]
-        unsafe fn add32(a: __m512i, b: __m512i) -> __m512i {
-            _mm512_add_epi32(a, b)
-        }
-        #[inline(always)]
-        unsafe fn zero_f() -> __m512 {
-            _mm512_setzero_ps()
-        }
-        #[inline(always)]
-        unsafe fn splat_f(x: f32) -> __m512 {
-            _mm512_set1_ps(x)
-        }
-        #[inline(always)]
-        unsafe fn to_f(a: __m512i) -> __m512 {
-            _mm512_cvtepi32_ps(a)
-        }
-        #[inline(always)]
-        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
-            _mm512_mul_ps(a, b)
-        }
-        #[inline(always)]
-        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
-            _mm512_fmadd_ps(a, b, c)
-        }
-        #[inline(always)]
-        unsafe fn sub_f(a: __m512, b: __m512) -> __m512 {
-            _mm512_sub_ps(a, b)
-        }
-        #[inline(always)]
-        unsafe fn store(p: *mut f32, a: __m512) {
-            _mm512_storeu_ps(p, a)
+        one_op! {
+            bytes(b: i8) -> __m512i = _mm512_set1_epi8;
+            srli16_4(a: __m512i) -> __m512i = _mm512_srli_epi16, 4;
+            srli16_2(a: __m512i) -> __m512i = _mm512_srli_epi16, 2;
+            slli16_4(a: __m512i) -> __m512i = _mm512_slli_epi16, 4;
+            slli16_2(a: __m512i) -> __m512i = _mm512_slli_epi16, 2;
+            zero() -> __m512i = _mm512_setzero_si512;
+            and(a: __m512i, b: __m512i) -> __m512i = _mm512_and_si512;
+            or(a: __m512i, b: __m512i) -> __m512i = _mm512_or_si512;
+            shuffle(a: __m512i, b: __m512i) -> __m512i = _mm512_shuffle_epi8;
+            maddubs(a: __m512i, b: __m512i) -> __m512i = _mm512_maddubs_epi16;
+            add16(a: __m512i, b: __m512i) -> __m512i = _mm512_add_epi16;
+            madd(a: __m512i, b: __m512i) -> __m512i = _mm512_madd_epi16;
+            add32(a: __m512i, b: __m512i) -> __m512i = _mm512_add_epi32;
+            zero_f() -> __m512 = _mm512_setzero_ps;
+            splat_f(x: f32) -> __m512 = _mm512_set1_ps;
+            to_f(a: __m512i) -> __m512 = _mm512_cvtepi32_ps;
+            mul(a: __m512, b: __m512) -> __m512 = _mm512_mul_ps;
+            fmadd(a: __m512, b: __m512, c: __m512) -> __m512 = _mm512_fmadd_ps;
+            sub_f(a: __m512, b: __m512) -> __m512 = _mm512_sub_ps;
+            store(p: *mut f32, a: __m512) -> () = _mm512_storeu_ps;
         }
     }
 }
