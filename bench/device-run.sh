@@ -33,6 +33,11 @@
 #           unprofiled
 #   weights weights-bench: tessera's Q4_0 matvec / bf16-GEMM path against an f64 reference
 #           and candle's, then every matmul of one 8B forward timed, ours and candle's
+#   greedy8b  each of GREEDY_BINS' greedy text (md5, bf16 and affine:4) and tessera eval on the
+#           synthetic 8B
+#   llamabuild  llama.cpp's CUDA build (carried source), in the background; llamawait waits
+#           for it (LLAMA_WAIT seconds at most); llamabench runs llama-bench on the synthetic 8B
+#           (LLAMA_KVS caches, LLAMA_DEPTHS, LLAMA_REPS)
 #   wparity weights-bench's parity checks alone
 #   wvariants  weights-bench variants: weights.cu's build choices (and the host's input split)
 #           checked against the f64 reference and timed per kind of matrix (WVARIANTS: more
@@ -117,6 +122,46 @@ for step in "$@"; do
           $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
             --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens ${E2E8B_PROMPT:-2048} --repeat ${E2E8B_REPEAT:-1} --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
         done; done
+      done ;;
+    greedy8b)
+      # Each carried binary's greedy text and eval figures on the synthetic 8B (GREEDY_BINS,
+      # "tessera-old tessera"): a kernel change that keeps the arithmetic must match them all.
+      log greedy8b; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      head -c 9000 .device/text.txt > /tmp/greedy-prompt.txt
+      for bin in ${GREEDY_BINS:-tessera-old tessera}; do for kv in bf16 affine:4; do
+        $B/$bin generate --model /tmp/llama3-8b.gguf --device cuda --kv $kv --temperature 0 --max-tokens 96 \
+          --prompt-file /tmp/greedy-prompt.txt > $OUT/greedy-$bin-${kv/:/}.txt 2>/dev/null
+        echo "$bin $kv: $(md5sum < $OUT/greedy-$bin-${kv/:/}.txt)" | tee -a $OUT/greedy8b.txt
+      done
+        $B/$bin eval --model /tmp/llama3-8b.gguf --device cuda --text .device/text.txt --kv bf16,affine:4 \
+          --prefill 256 --tokens 64 2>&1 | tee -a $OUT/greedy8b.txt
+      done ;;
+    llamabuild)
+      # llama.cpp's CUDA build from the carried source (.device/llamacpp-src.tgz: the
+      # llama-cpp-python 0.3.36 sdist's vendor/llama.cpp without build/, models/, docs/,
+      # examples/, tests/ and the other GPU backends), started in the background (setsid, so it
+      # outlives this call on a warm machine) and niced; `llamawait` waits for it. The tools
+      # land in /tmp/llama/llama.cpp/build/bin.
+      log llamabuild; rm -rf /tmp/llama; mkdir -p /tmp/llama; tar xzf .device/llamacpp-src.tgz -C /tmp/llama
+      export PATH=/usr/local/cuda/bin:$PATH
+      command -v nvcc > /dev/null || { n=$(find /usr/local /opt /usr -name nvcc -type f 2>/dev/null | head -1)
+        [ -n "$n" ] && export PATH=$(dirname $n):$PATH; }; echo "nvcc: $(command -v nvcc || echo none)"
+      setsid nohup bash -c 'cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DCMAKE_BUILD_TYPE=Release > /tmp/llama/build.log 2>&1 && nice -n 10 cmake --build build -j ${LLAMA_JOBS:-14} \
+        --target llama-bench llama-batched-bench >> /tmp/llama/build.log 2>&1; echo "status $?" > /tmp/llama/done' \
+        > /dev/null 2>&1 < /dev/null & ;;
+    llamawait)
+      log llamawait; for i in $(seq 1 ${LLAMA_WAIT:-540}); do [ -f /tmp/llama/done ] && break; sleep 1; done
+      cat /tmp/llama/done 2>/dev/null || echo "llama.cpp build still running"; tail -4 /tmp/llama/build.log ;;
+    llamabench)
+      # llama-bench on the synthetic 8B (the file tessera synthesizes): pp512 and tg64 at
+      # depth 0 and 32768, f16 and q4_0 caches, flash attention (the issue's table).
+      log llamabench; L=/tmp/llama/llama.cpp/build/bin
+      [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      for kv in ${LLAMA_KVS:-f16 q4_0}; do
+        $L/llama-bench -m /tmp/llama3-8b.gguf -ngl 99 -fa 1 -ctk $kv -ctv $kv -p 512 -n 64 \
+          -d ${LLAMA_DEPTHS:-0,32768} -r ${LLAMA_REPS:-2} 2>&1 | tee -a $OUT/llama-bench.txt
       done ;;
     weights) log weights; $B/weights-bench 2>&1 | tee $OUT/weights-bench.txt ;;
     wparity) log wparity; $B/weights-bench parity 2>&1 | tee $OUT/weights-parity.txt ;;

@@ -10,6 +10,7 @@
 //! first used on the device.
 
 use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Scratch, TurboDevice};
+use crate::dependent::DependentLaunch;
 use crate::PLANES_CU;
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
@@ -499,17 +500,19 @@ impl CudaPlanes {
                 let (ks, vs) = (ks.slice(k_offset..), vs.slice(v_offset..));
                 let (blocks, n, d, cap, slot) =
                     ((b * h) as i64, n as i32, d as i32, cap as i32, slot as i32);
-                let mut l = k.read.stream.launch_builder(&k.encode);
-                l.arg(&ks).arg(&vs).arg(&mut ck).arg(&mut cv);
-                l.arg(&mut pk).arg(&mut pv).arg(&blocks).arg(&n).arg(&d);
-                l.arg(&cap).arg(&slot).arg(&bits).arg(&group);
+                // A dependent launch (dependent.rs): planes.cu's encode waits for the launch
+                // before it first.
+                let mut l = DependentLaunch::new(&k.read.stream);
+                l.input(&ks).input(&vs).output(&mut ck).output(&mut cv);
+                l.output(&mut pk).output(&mut pv).long(blocks).int(n).int(d);
+                l.int(cap).int(slot).int(bits).int(group);
                 // bf16: a thread per word; affine: a warp per group; grid.y: the plane.
                 let lanes = if bits == 0 { 1 } else { 32 };
                 let mut cfg = grid(b * h * n as usize * per_row * lanes);
                 cfg.grid_dim.1 = 2;
                 // SAFETY: both planes hold rows row0.. of `cap` slots of this geometry, and
                 // slot + n ≤ cap (checked by the caller); the kernel writes no more.
-                unsafe { l.launch(cfg)? };
+                unsafe { l.launch(&k.encode, cfg)? };
                 Ok(())
             })
             .map_err(|e| anyhow::anyhow!("{e}"))

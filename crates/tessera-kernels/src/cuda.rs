@@ -1,6 +1,7 @@
 //! Launching the decode read on a CUDA stream: NVRTC compilation per configuration, cached;
 //! device planes in the CPU cache's layout (uploaded as they are); the two launches.
 
+use crate::dependent::DependentLaunch;
 use crate::{plan_splits, DECODE_CU};
 use anyhow::{bail, Context, Result};
 use candle_core::cuda_backend::cudarc;
@@ -574,21 +575,23 @@ impl DecodeRead {
             for (i, &(a, b)) in rows.iter().enumerate() {
                 (arg.start[i], arg.end[i]) = (a as i32, b as i32);
             }
-            let mut b = self.stream.launch_builder(&partial.f);
-            b.arg(q)
-                .arg(&qscale)
-                .arg(&planes.k)
-                .arg(&planes.kp)
-                .arg(&planes.v)
-                .arg(&planes.vp)
-                .arg(&arg)
-                .arg(&kv_heads)
-                .arg(&capacity)
-                .arg(&chunk)
-                .arg(&mut scratch.ml)
-                .arg(&mut scratch.acc);
+            // The step's reads are dependent launches (dependent.rs): decode.cu's kernels
+            // wait for the launch before them first.
+            let mut b = DependentLaunch::new(&self.stream);
+            b.input(q)
+                .float(qscale)
+                .input(&planes.k)
+                .input(&planes.kp)
+                .input(&planes.v)
+                .input(&planes.vp)
+                .value(&arg)
+                .int(kv_heads)
+                .int(capacity)
+                .int(chunk)
+                .output(&mut scratch.ml)
+                .output(&mut scratch.acc);
             if let Some((_, t)) = turbo {
-                b.arg(&t.levels);
+                b.input(&t.levels);
             }
             let cfg = LaunchConfig {
                 grid_dim: (
@@ -599,20 +602,19 @@ impl DecodeRead {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            unsafe { b.launch(cfg)? };
+            unsafe { b.launch(&partial.f, cfg)? };
         }
-        let splits = plan.splits as i32;
-        let mut b = self.stream.launch_builder(&kernels.merge);
-        b.arg(&scratch.ml)
-            .arg(&scratch.acc)
-            .arg(&mut *out)
-            .arg(&splits);
+        let mut b = DependentLaunch::new(&self.stream);
+        b.input(&scratch.ml)
+            .input(&scratch.acc)
+            .output(&mut *out)
+            .int(plan.splits as i32);
         let cfg = LaunchConfig {
             grid_dim: ((planes.kv_heads * g) as u32, planes.batch as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        unsafe { b.launch(cfg)? };
+        unsafe { b.launch(&kernels.merge, cfg)? };
         if let Some(((_, unrotate), t)) = turbo {
             // Values were accumulated in their rotated space.
             let values_signs = t.signs.slice(planes.d..);

@@ -37,6 +37,17 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
     return f;
 }
 
+// Programmatic dependent launch (dependent.rs): the decode step's launches may start while
+// the kernel before them finishes; each waits for it before touching anything (release
+// first, so that the next kernel can be scheduled as early). No-ops for a plain launch.
+__device__ __forceinline__ void release_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void wait_for_prior() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // 2^x by the special-function unit (-inf gives 0).
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -205,6 +216,8 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
                   , const float* __restrict__ levels // (2, 256): keys', values'
 #endif
                   ) {
+    release_dependents();
+    wait_for_prior();
     const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
 #if CODEC == 1
     for (int i = threadIdx.x; i < 2 * 256; i += WARPS * 32) turbo_levels[i / 256][i % 256] = levels[i];
@@ -504,6 +517,8 @@ kv_decode_partial_tc(const float* __restrict__ q, float qscale,
                      , const float* __restrict__ levels // (2, 256): keys', values'
 #endif
                      ) {
+    release_dependents();
+    wait_for_prior();
     const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
     const int splits = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1134,6 +1149,8 @@ kv_decode_partial_fold(const float* __restrict__ q, float qscale,
                         const u32* __restrict__ vparams, const Spans spans, int kv_heads,
                         int capacity, int chunk,
                         float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    release_dependents();
+    wait_for_prior();
     const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
     const int splits = gridDim.x;
     const int gid = (threadIdx.x % 32) >> 2;
@@ -1244,6 +1261,8 @@ kv_chunk_partial_fold(const float* __restrict__ q, float qscale,
 extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
 kv_decode_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                 float* __restrict__ out, int splits) {
+    release_dependents();
+    wait_for_prior();
     const int hq = blockIdx.x, b = blockIdx.y, qh = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long first = ((long)b * qh + hq) * splits;

@@ -103,6 +103,8 @@ pub fn plan_splits(
 pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+mod dependent;
 pub mod tally;
 #[cfg(feature = "cuda")]
 pub mod weights;

@@ -17,6 +17,17 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 
+// Programmatic dependent launch (dependent.rs): the append's launch may start while
+// the kernel before them finishes; each waits for it before touching anything (release
+// first, so that the next kernel can be scheduled as early). No-ops for a plain launch.
+__device__ __forceinline__ void release_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void wait_for_prior() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 __device__ __forceinline__ u16 f32_to_bf16(float x) {
     u16 h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -125,6 +136,8 @@ extern "C" __global__ void encode_kv_rows(const float* __restrict__ xk,
                                           u32* __restrict__ params_k, u32* __restrict__ params_v,
                                           long blocks, int n, int d, int cap, int slot, int bits,
                                           int group) {
+    release_dependents();
+    wait_for_prior();
     const bool values = blockIdx.y == 1;
     encode_rows(values ? xv : xk, values ? codes_v : codes_k, values ? params_v : params_k,
                 blocks, n, d, cap, slot, bits, group);

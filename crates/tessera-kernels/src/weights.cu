@@ -62,6 +62,26 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     return h;
 }
 
+// Programmatic dependent launch (dependent.rs; weights.rs launches the decode matmuls and
+// their input launches so): `release_dependents` lets the next kernel on the stream be
+// scheduled once every block of this one has started; `wait_for_prior` holds until the
+// kernel before this one has finished and its writes are visible. A kernel touches nothing
+// an earlier one writes or reads before its wait; a matmul loads its first weights (never
+// written) ahead of it, so that their latency overlaps the previous kernel's tail. Without
+// the launch attribute both return at once.
+__device__ __forceinline__ void release_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void wait_for_prior() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// A load of what an earlier kernel wrote: from L2 (.cg), where a dependent launch's writes
+// meet, never from a line this SM's L1 may have kept from before the write.
+__device__ __forceinline__ float4 ld_prior(const float4* p) { return __ldcg(p); }
+__device__ __forceinline__ uint4 ld_prior(const uint4* p) { return __ldcg(p); }
+
 __device__ __forceinline__ u32 word_of(const uint4& c, int t) {
     return t == 0 ? c.x : t == 1 ? c.y : t == 2 ? c.z : c.w;
 }
@@ -130,10 +150,10 @@ __device__ __forceinline__ void inputs_body(int i, const float* __restrict__ x,
     uint4 out = make_uint4(0u, 0u, 0u, 0u);
     if (row < m) {
         const size_t at = (size_t)row * ld + 32 * b + 4 * t;
-        const float4 lo = __ldg((const float4*)(x + at)), hi = __ldg((const float4*)(x + at + 16));
+        const float4 lo = ld_prior((const float4*)(x + at)), hi = ld_prior((const float4*)(x + at + 16));
         float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
         if (SOURCE == ADD_NORMED) {
-            const float4 al = __ldg((const float4*)(add + at)), ah = __ldg((const float4*)(add + at + 16));
+            const float4 al = ld_prior((const float4*)(add + at)), ah = ld_prior((const float4*)(add + at + 16));
             const float a[8] = {al.x, al.y, al.z, al.w, ah.x, ah.y, ah.z, ah.w};
 #pragma unroll
             for (int e = 0; e < 8; e++) v[e] += a[e];
@@ -152,7 +172,7 @@ __device__ __forceinline__ void inputs_body(int i, const float* __restrict__ x,
             for (int e = 0; e < 8; e++) v[e] = v[e] * s * g[e];
         }
         if (SOURCE == SILU_GATED) {
-            const float4 ul = __ldg((const float4*)(y + at)), uh = __ldg((const float4*)(y + at + 16));
+            const float4 ul = ld_prior((const float4*)(y + at)), uh = ld_prior((const float4*)(y + at + 16));
             const float u[8] = {ul.x, ul.y, ul.z, ul.w, uh.x, uh.y, uh.z, uh.w};
 #pragma unroll
             for (int e = 0; e < 8; e++) v[e] = v[e] / (1.f + expf(-v[e])) * u[e];
@@ -174,6 +194,8 @@ __device__ __forceinline__ void inputs_body(int i, const float* __restrict__ x,
 
 extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __restrict__ frag,
                                        int m, int k, int nt, int split) {
+    release_dependents();
+    wait_for_prior();
     inputs_body<PLAIN>(blockIdx.x * blockDim.x + threadIdx.x, x, nullptr, nullptr, frag, m, k,
                        k, nt, split);
 }
@@ -183,6 +205,8 @@ extern "C" __global__ void q4_0_silu_gated_inputs(const float* __restrict__ gate
                                                   const float* __restrict__ up,
                                                   uint4* __restrict__ frag, int m, int k,
                                                   int ld, int nt, int split) {
+    release_dependents();
+    wait_for_prior();
     inputs_body<SILU_GATED>(blockIdx.x * blockDim.x + threadIdx.x, gate, up, nullptr, frag, m,
                             k, ld, nt, split);
 }
@@ -203,6 +227,8 @@ __device__ __forceinline__ void normed_inputs(const float* __restrict__ x,
                                               int split, float eps) {
     __shared__ float partial[32];
     __shared__ float inv[32];
+    release_dependents();
+    wait_for_prior();
     const int c = blockIdx.x, row = split ? c >> 1 : c; // row ≥ m: a zero column
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (row < m) { // the same for the whole block
@@ -210,9 +236,9 @@ __device__ __forceinline__ void normed_inputs(const float* __restrict__ x,
         const float4* ar = (const float4*)(add + (size_t)row * k);
         float s = 0.f;
         for (int q = threadIdx.x; q < (k >> 2); q += blockDim.x) {
-            float4 v = __ldg(xr + q);
+            float4 v = ld_prior(xr + q);
             if (ADD) {
-                const float4 a = __ldg(ar + q);
+                const float4 a = ld_prior(ar + q);
                 v = make_float4(v.x + a.x, v.y + a.y, v.z + a.z, v.w + a.w);
             }
             s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
@@ -260,9 +286,8 @@ struct Octet {
 };
 
 template <int NT, int RT>
-__device__ __forceinline__ void load_octet(Octet<NT, RT>& q, const uint4* const (&cbase)[RT],
-                                           const uint4* const (&sbase)[RT],
-                                           const uint4* __restrict__ frag, int o, int src) {
+__device__ __forceinline__ void load_weights(Octet<NT, RT>& q, const uint4* const (&cbase)[RT],
+                                             const uint4* const (&sbase)[RT], int o) {
 #pragma unroll
     for (int r = 0; r < RT; r++) {
         const uint4* c = cbase[r] + (size_t)o * 128; // the octet's 4 loads, 512 bytes apart
@@ -272,11 +297,25 @@ __device__ __forceinline__ void load_octet(Octet<NT, RT>& q, const uint4* const 
         q.s[r][0] = __ldg(sc);
         q.s[r][1] = __ldg(sc + 1);
     }
+}
+
+// The fragments are written by the launch before: loaded after the wait.
+template <int NT, int RT>
+__device__ __forceinline__ void load_fragments(Octet<NT, RT>& q, const uint4* __restrict__ frag,
+                                               int o, int src) {
     if (NT == 1 && B_AHEAD) {
         const uint4* f = frag + (size_t)o * 256 + src; // the octet's 8 blocks, 512 bytes apart
 #pragma unroll
-        for (int i = 0; i < 8; i++) q.bf[i] = __ldg(f + i * 32);
+        for (int i = 0; i < 8; i++) q.bf[i] = ld_prior(f + i * 32);
     }
+}
+
+template <int NT, int RT>
+__device__ __forceinline__ void load_octet(Octet<NT, RT>& q, const uint4* const (&cbase)[RT],
+                                           const uint4* const (&sbase)[RT],
+                                           const uint4* __restrict__ frag, int o, int src) {
+    load_weights<NT, RT>(q, cbase, sbase, o);
+    load_fragments<NT, RT>(q, frag, o, src);
 }
 
 // One octet's products: per block, the B fragments, then per tile two mma whose sum is
@@ -292,7 +331,7 @@ __device__ __forceinline__ void mma_octet(float (&acc)[RT][NT][4], const Octet<N
 #pragma unroll
         for (int j = 0; j < NT; j++)
             bf[j] = NT == 1 && B_AHEAD ? q.bf[B_AHEAD ? i : 0]
-                                       : __ldg(f + (size_t)j * kb * 32 + i * 32);
+                                       : ld_prior(f + (size_t)j * kb * 32 + i * 32);
 #pragma unroll
         for (int r = 0; r < RT; r++) {
             const uint4& cw = q.c[r][i >> 1];
@@ -327,6 +366,7 @@ template <int NT, int RT, int W>
 __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restrict__ scales,
                          const uint4* __restrict__ frag, float* __restrict__ y, int m, int n,
                          int k, int split) {
+    release_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // With one n8 tile, lanes whose column holds no input all read lane 31's zero fragment
     // (column 7 is empty whenever any is), so a load costs the live lanes' bytes and one
@@ -353,7 +393,10 @@ __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restric
 
     Octet<NT, RT> qa, qb;
     int o = warp;
-    if (o < octets) load_octet<NT, RT>(qa, cbase, sbase, frag, o, src);
+    // The first octet's weights in flight before the wait; its fragments after.
+    if (o < octets) load_weights<NT, RT>(qa, cbase, sbase, o);
+    wait_for_prior();
+    if (o < octets) load_fragments<NT, RT>(qa, frag, o, src);
     while (o < octets) {
         if (o + W < octets) load_octet<NT, RT>(qb, cbase, sbase, frag, o + W, src);
         mma_octet<NT, RT>(acc, qa, frag, o, kb, lane);

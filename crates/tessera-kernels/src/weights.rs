@@ -8,6 +8,7 @@
 //! whose shape the layout does not take, stay with candle's quantized matmuls.
 
 use crate::cuda::compile_source;
+use crate::dependent::DependentLaunch;
 use crate::{q4_0_planes, Q4_0_OCTET, Q4_0_ROWS, WEIGHTS_CU};
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
@@ -414,51 +415,55 @@ impl Q4Matrix {
             let (rows_i, nt_i) = (rows as i32, nt as i32);
             // NT · k/32 blocks · 32 lanes, in blocks of 1024 threads.
             let inputs_cfg = LaunchConfig::for_num_elems((nt * self.k) as u32);
+            // Every launch here is a dependent one (dependent.rs): weights.cu's kernels wait
+            // for the launch before them before touching its outputs.
             // SAFETY (all three): xs holds `rows` rows of k floats `ld` apart; frag NT · k/32
             // · 32 uint4 (allocated for the most n8 tiles a launch takes); the kernels touch
             // no more.
+            let mut l = DependentLaunch::new(&stream);
             match &mut source {
                 Source::Plain => {
-                    let mut l = stream.launch_builder(&self.kernels.inputs);
-                    l.arg(&xs).arg(&mut *frag).arg(&rows_i).arg(&k);
-                    l.arg(&nt_i).arg(&split_i);
-                    unsafe { l.launch(inputs_cfg)? };
+                    l.input(&xs).output(&mut *frag).int(rows_i).int(k);
+                    l.int(nt_i).int(split_i);
+                    unsafe { l.launch(&self.kernels.inputs, inputs_cfg)? };
                 }
                 Source::Normed { weight, eps, add } => {
                     // Also: `weight` holds k floats (checked by the caller), `add` and `sum`
                     // the rows as `xs` does, contiguous; the kernel's norms hold at most 32
                     // rows (`per_launch`), its blocks at most 32 warps.
-                    let mut l;
                     let (hs, mut ss);
-                    match add {
+                    let kernel = match add {
                         Some((h, sum)) => {
                             hs = h.view(first, rows, self.k);
                             ss = sum.slice_mut(first * self.k..(first + rows) * self.k);
-                            l = stream.launch_builder(&self.kernels.add_normed_inputs);
-                            l.arg(&xs).arg(&hs).arg(&mut ss);
+                            l.input(&xs).input(&hs).output(&mut ss);
+                            &self.kernels.add_normed_inputs
                         }
                         None => {
-                            l = stream.launch_builder(&self.kernels.normed_inputs);
-                            l.arg(&xs);
+                            l.input(&xs);
+                            &self.kernels.normed_inputs
                         }
-                    }
-                    l.arg(&*weight).arg(&mut *frag).arg(&rows_i).arg(&k);
-                    l.arg(&nt_i).arg(&split_i).arg(&*eps);
+                    };
+                    l.input(&*weight).output(&mut *frag).int(rows_i).int(k);
+                    l.int(nt_i).int(split_i).float(*eps);
                     // One block a fragment column, its threads over the k blocks' 4 lanes.
                     let normed_cfg = LaunchConfig {
                         grid_dim: ((8 * nt) as u32, 1, 1),
                         block_dim: ((self.k / 8).min(1024) as u32, 1, 1),
                         shared_mem_bytes: 0,
                     };
-                    unsafe { l.launch(normed_cfg)? };
+                    unsafe { l.launch(kernel, normed_cfg)? };
                 }
                 Source::SiluGated(up) => {
                     // Also: `up` holds the same rows, as far apart.
                     let us = up.view(first, rows, self.k);
-                    let mut l = stream.launch_builder(&self.kernels.gated_inputs);
-                    l.arg(&xs).arg(&us).arg(&mut *frag).arg(&rows_i).arg(&k);
-                    l.arg(&ld).arg(&nt_i).arg(&split_i);
-                    unsafe { l.launch(inputs_cfg)? };
+                    l.input(&xs)
+                        .input(&us)
+                        .output(&mut *frag)
+                        .int(rows_i)
+                        .int(k);
+                    l.int(ld).int(nt_i).int(split_i);
+                    unsafe { l.launch(&self.kernels.gated_inputs, inputs_cfg)? };
                 }
             }
             let kernel = shape
@@ -466,15 +471,15 @@ impl Q4Matrix {
                 .and_then(|i| self.kernels.mma.get(i))
                 .ok_or_else(|| anyhow!("no tensor-core kernel {}", shape.kernel_name(nt)))?;
             let mut ys = y.slice_mut(first * self.n..(first + rows) * self.n);
-            let mut l = stream.launch_builder(kernel);
-            l.arg(self.codes.as_ref())
-                .arg(self.scales.as_ref())
-                .arg(&*frag);
-            l.arg(&mut ys).arg(&rows_i).arg(&n).arg(&k).arg(&split_i);
+            let mut l = DependentLaunch::new(&stream);
+            l.input(self.codes.as_ref())
+                .input(self.scales.as_ref())
+                .input(&*frag);
+            l.output(&mut ys).int(rows_i).int(n).int(k).int(split_i);
             // SAFETY: the planes hold n/16 tiles of k/2 · 16 code bytes and k/32 · 16 scales,
             // frag the fragments written above, ys `rows` rows of n; the kernel reads and
             // writes no more.
-            unsafe { l.launch(cfg)? };
+            unsafe { l.launch(kernel, cfg)? };
         }
         Ok(y)
     }
