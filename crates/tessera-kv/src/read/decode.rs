@@ -330,16 +330,32 @@ fn accumulate_tile<const G: usize>(
 mod x86 {
     use std::arch::x86_64::*;
 
+    /// The lane sums of four vectors, as the four lanes of the result. Each sum is taken in
+    /// one order (lanes (0 + 2) + (1 + 3) of each 128-bit half, then the halves) whatever
+    /// the other vectors hold, so a key row's score does not depend on its neighbours.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
+    unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
+        let t0 = _mm256_add_ps(
+            _mm256_unpacklo_ps(v[0], v[1]),
+            _mm256_unpackhi_ps(v[0], v[1]),
+        );
+        let t1 = _mm256_add_ps(
+            _mm256_unpacklo_ps(v[2], v[3]),
+            _mm256_unpackhi_ps(v[2], v[3]),
+        );
+        let (t0, t1) = (_mm256_castps_pd(t0), _mm256_castps_pd(t1));
+        let u = _mm256_add_ps(
+            _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t1)),
+            _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t1)),
+        );
+        _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1))
     }
 
-    /// See [`super::score_tile`]; `d` must be a multiple of 16.
+    /// See [`super::score_tile`]; `d` must be a multiple of 16. Key rows go four at a
+    /// time (the last block repeats the last row and drops its extra sums), heads two at a
+    /// time: each q load feeds four rows and each key load two heads, and four rows' sums
+    /// come out of one transposed reduction.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn score_tile<const G: usize>(
@@ -350,23 +366,29 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
-        assert!(q.len() >= G * d && keys.len() >= n * d && d % 16 == 0);
+        assert!(q.len() >= G * d && keys.len() >= n * d && d.is_multiple_of(16));
         assert!(n == 0 || out.len() > (G - 1) * stride + n - 1);
         let (qp, kp) = (q.as_ptr(), keys.as_ptr());
-        for i in 0..n {
-            let k = kp.add(i * d);
-            let mut acc = [[_mm256_setzero_ps(); 2]; G];
-            for c in (0..d).step_by(16) {
-                let k0 = _mm256_loadu_ps(k.add(c));
-                let k1 = _mm256_loadu_ps(k.add(c + 8));
-                for (h, a) in acc.iter_mut().enumerate() {
-                    let qh = qp.add(h * d + c);
-                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), k0, a[0]);
-                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(qh.add(8)), k1, a[1]);
+        for i in (0..n).step_by(4) {
+            let k: [*const f32; 4] = std::array::from_fn(|r| kp.add((i + r).min(n - 1) * d));
+            let valid = (n - i).min(4);
+            for h0 in (0..G).step_by(2) {
+                let heads = (G - h0).min(2);
+                let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+                for c in (0..d).step_by(8) {
+                    let kv: [__m256; 4] = std::array::from_fn(|r| _mm256_loadu_ps(k[r].add(c)));
+                    for (h, a) in acc.iter_mut().enumerate().take(heads) {
+                        let qv = _mm256_loadu_ps(qp.add((h0 + h) * d + c));
+                        for r in 0..4 {
+                            a[r] = _mm256_fmadd_ps(qv, kv[r], a[r]);
+                        }
+                    }
                 }
-            }
-            for (h, a) in acc.iter().enumerate() {
-                out[h * stride + i] = hsum(_mm256_add_ps(a[0], a[1]));
+                for (h, a) in acc.iter().enumerate().take(heads) {
+                    let mut sums = [0f32; 4];
+                    _mm_storeu_ps(sums.as_mut_ptr(), hsum4(*a));
+                    out[(h0 + h) * stride + i..][..valid].copy_from_slice(&sums[..valid]);
+                }
             }
         }
     }
@@ -407,7 +429,31 @@ mod x86 {
         }
     }
 
-    /// [`score_tile`] with 512-bit vectors; `d` must be a multiple of 32.
+    /// [`hsum4`] of 512-bit vectors: lanes (0 + 2) + (1 + 3) of each 128-bit quarter, then
+    /// quarters (0 + 2) + (1 + 3), one order for every vector.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn hsum4_512(v: [__m512; 4]) -> __m128 {
+        let t0 = _mm512_add_ps(
+            _mm512_unpacklo_ps(v[0], v[1]),
+            _mm512_unpackhi_ps(v[0], v[1]),
+        );
+        let t1 = _mm512_add_ps(
+            _mm512_unpacklo_ps(v[2], v[3]),
+            _mm512_unpackhi_ps(v[2], v[3]),
+        );
+        let (t0, t1) = (_mm512_castps_pd(t0), _mm512_castps_pd(t1));
+        let u = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1)),
+        );
+        let w = _mm512_add_ps(u, _mm512_shuffle_f32x4::<0b01_00_11_10>(u, u));
+        let w = _mm512_add_ps(w, _mm512_shuffle_f32x4::<0b10_11_00_01>(w, w));
+        _mm512_castps512_ps128(w)
+    }
+
+    /// [`score_tile`] with 512-bit vectors, four key rows and up to four heads at a time (as
+    /// the AVX2 kernel); `d` must be a multiple of 16.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn score_tile512<const G: usize>(
@@ -418,23 +464,29 @@ mod x86 {
         out: &mut [f32],
         stride: usize,
     ) {
-        assert!(q.len() >= G * d && keys.len() >= n * d && d % 32 == 0);
+        assert!(q.len() >= G * d && keys.len() >= n * d && d.is_multiple_of(16));
         assert!(n == 0 || out.len() > (G - 1) * stride + n - 1);
         let (qp, kp) = (q.as_ptr(), keys.as_ptr());
-        for i in 0..n {
-            let k = kp.add(i * d);
-            let mut acc = [[_mm512_setzero_ps(); 2]; G];
-            for c in (0..d).step_by(32) {
-                let k0 = _mm512_loadu_ps(k.add(c));
-                let k1 = _mm512_loadu_ps(k.add(c + 16));
-                for (h, a) in acc.iter_mut().enumerate() {
-                    let qh = qp.add(h * d + c);
-                    a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(qh), k0, a[0]);
-                    a[1] = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(16)), k1, a[1]);
+        for i in (0..n).step_by(4) {
+            let k: [*const f32; 4] = std::array::from_fn(|r| kp.add((i + r).min(n - 1) * d));
+            let valid = (n - i).min(4);
+            for h0 in (0..G).step_by(4) {
+                let heads = (G - h0).min(4);
+                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                for c in (0..d).step_by(16) {
+                    let kv: [__m512; 4] = std::array::from_fn(|r| _mm512_loadu_ps(k[r].add(c)));
+                    for (h, a) in acc.iter_mut().enumerate().take(heads) {
+                        let qv = _mm512_loadu_ps(qp.add((h0 + h) * d + c));
+                        for r in 0..4 {
+                            a[r] = _mm512_fmadd_ps(qv, kv[r], a[r]);
+                        }
+                    }
                 }
-            }
-            for (h, a) in acc.iter().enumerate() {
-                out[h * stride + i] = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+                for (h, a) in acc.iter().enumerate().take(heads) {
+                    let mut sums = [0f32; 4];
+                    _mm_storeu_ps(sums.as_mut_ptr(), hsum4_512(*a));
+                    out[(h0 + h) * stride + i..][..valid].copy_from_slice(&sums[..valid]);
+                }
             }
         }
     }
