@@ -35,6 +35,9 @@
 #           and candle's, then every matmul of one 8B forward timed, ours and candle's
 #   greedy8b  each of GREEDY_BINS' greedy text (md5, bf16 and affine:4) and tessera eval on the
 #           synthetic 8B
+#   graphprobe  a batch-1 decode step of the synthetic 8B captured as a CUDA graph and replayed,
+#           against eager steps, and recaptured + cuGraphExecUpdate each step (bench --graph-probe;
+#           PROBE_KVS, PROBE_DEPTHS, PROBE_STEPS)
 #   llamabuild  llama.cpp's CUDA build (carried source), in the background; llamawait waits
 #           for it (LLAMA_WAIT seconds at most); llamabench runs llama-bench on the synthetic 8B
 #           (LLAMA_KVS caches, LLAMA_DEPTHS, LLAMA_REPS)
@@ -123,6 +126,14 @@ for step in "$@"; do
             --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens ${E2E8B_PROMPT:-2048} --repeat ${E2E8B_REPEAT:-1} --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
         done; done
       done ;;
+    graphprobe)
+      # One batch-1 decode step of the synthetic 8B captured as a CUDA graph and replayed,
+      # against the eager steps (tessera bench --graph-probe), per PROBE_KVS and PROBE_DEPTHS.
+      log graphprobe; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+      for d in ${PROBE_DEPTHS:-0 32768}; do for kv in ${PROBE_KVS:-affine:4}; do
+        $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $d --gen-tokens ${PROBE_STEPS:-64} \
+          --graph-probe 2>&1 | tee -a $OUT/graph-probe.txt
+      done; done ;;
     greedy8b)
       # Each carried binary's greedy text and eval figures on the synthetic 8B (GREEDY_BINS,
       # "tessera-old tessera"): a kernel change that keeps the arithmetic must match them all.

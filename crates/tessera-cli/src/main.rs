@@ -3,6 +3,7 @@
 mod bench;
 mod bench_rounds;
 mod commands;
+mod graph_probe;
 mod kv_config;
 mod plot;
 mod spec;
@@ -238,6 +239,10 @@ enum Command {
         prompt_file: Option<PathBuf>,
         #[command(flatten)]
         spec: spec::SpecArgs,
+        /// CUDA: one batch-1 decode step at --depth captured as a CUDA graph and replayed
+        /// --gen-tokens times, against as many eager steps: the step without its launches.
+        #[arg(long, conflicts_with_all = ["prompt_cache", "verify_rounds"])]
+        graph_probe: bool,
         #[arg(long)]
         json: bool,
     },
@@ -512,6 +517,15 @@ fn run(cli: Cli) -> Result<()> {
             json,
             ..
         } => bench::bench_prompt_cache(&model, &file, suffix_tokens, repeat, &kv, json),
+        Command::Bench {
+            model,
+            depth,
+            gen_tokens,
+            kv,
+            graph_probe: true,
+            json,
+            ..
+        } => graph_probe::graph_probe(&model, &kv, depth, gen_tokens, json),
         Command::Bench {
             model,
             depth,

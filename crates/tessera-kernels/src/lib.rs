@@ -105,6 +105,8 @@ pub mod backend;
 pub mod cuda;
 #[cfg(feature = "cuda")]
 mod dependent;
+#[cfg(feature = "cuda")]
+pub use dependent::set_programmatic;
 pub mod tally;
 #[cfg(feature = "cuda")]
 pub mod weights;

@@ -668,6 +668,14 @@ impl Block {
 // ---------------------------------------------------------------------------------------
 // Model
 
+/// A forward's device inputs, built by [`Decoder::prepare`]: the tokens' embeddings
+/// `(rows, n, hidden)` and the RoPE tables of their positions.
+pub struct StepInput {
+    x: Tensor,
+    ropes: [Option<Rope>; 2],
+    shape: (usize, usize),
+}
+
 pub struct Decoder {
     config: DecoderConfig,
     /// RoPE inverse frequencies of the sliding (local) and global layers.
@@ -910,6 +918,14 @@ impl Decoder {
         cache: &mut KvCache,
         mode: LogitsMode,
     ) -> Result<Tensor, ModelError> {
+        let input = self.prepare(tokens, cache)?;
+        self.forward_prepared(&input, cache, mode)
+    }
+
+    /// The host side of a forward: checks, the ids' embeddings and the positions' RoPE
+    /// tables (read and uploaded here). What [`Self::forward_prepared`] then does only
+    /// queues device work, the part of a step a CUDA graph can capture.
+    pub fn prepare(&self, tokens: &Tensor, cache: &KvCache) -> Result<StepInput, ModelError> {
         let (b, n) = tokens.dims2()?;
         if b == 0 || n == 0 {
             return Err(ModelError::EmptyInput { rows: b, tokens: n });
@@ -936,13 +952,35 @@ impl Decoder {
             .zip(cache.left_pad())
             .map(|(&end, &pad)| (end..end + n).map(|p| p.saturating_sub(pad)).collect())
             .collect();
-        let ropes = self.ropes(&positions)?;
-        let mut s = Residual {
+        Ok(StepInput {
+            ropes: self.ropes(&positions)?,
             x: self.embed(tokens)?,
+            shape: (b, n),
+        })
+    }
+
+    /// The forward of a prepared input, which must be `cache`'s next (its rows and ends
+    /// as when prepared).
+    pub fn forward_prepared(
+        &self,
+        input: &StepInput,
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<Tensor, ModelError> {
+        let (b, n) = input.shape;
+        if cache.batch() != b {
+            return Err(ModelError::Kv(tessera_kv::KvError::RowCount {
+                given: b,
+                rows: cache.batch(),
+            }));
+        }
+        cache.check_append(n)?;
+        let mut s = Residual {
+            x: input.x.clone(),
             pending: None,
         };
         for (i, block) in self.blocks.iter().enumerate() {
-            let rope = block.rope(&ropes)?;
+            let rope = block.rope(&input.ropes)?;
             let layer = cache.layer_mut(i);
             s = block.forward(&s, |s, norm| block.attn.forward(s, norm, rope, layer))?;
         }

@@ -120,6 +120,29 @@ impl Model {
         }
     }
 
+    /// The host side of [`Self::forward`] (see [`decoder::Decoder::prepare`]).
+    pub fn prepare(
+        &self,
+        tokens: &Tensor,
+        cache: &KvCache,
+    ) -> Result<decoder::StepInput, ModelError> {
+        match self {
+            Model::Decoder(m) => m.prepare(tokens, cache),
+        }
+    }
+
+    /// The device side of [`Self::forward`]: only queues work on the model's device.
+    pub fn forward_prepared(
+        &self,
+        input: &decoder::StepInput,
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<Tensor, ModelError> {
+        match self {
+            Model::Decoder(m) => m.forward_prepared(input, cache, mode),
+        }
+    }
+
     pub fn layer_specs(&self) -> Vec<LayerSpec> {
         match self {
             Model::Decoder(m) => m.config().layer_specs(),
