@@ -14,7 +14,8 @@
 #   e2e8b   synthetic Llama-3-8B (every layer global): batch 1 and 16 at 32k, batch 1 at 128k
 #           (E2E8B_RUNS: "BATCH:DEPTH ..." instead; E2E8B_GEN tokens, 32; E2E8B_PROMPT / E2E8B_REPEAT:
 #           the timed prefill's tokens, 2048, and runs, 1; E2E8B_BINS: the
-#           carried tessera binaries to run in turn, "tessera"; E2E8B_KVS, "bf16 affine:4")
+#           carried tessera binaries to run in turn, "tessera"; E2E8B_KVS, "bf16 affine:4";
+#           E2E8B_FLAGS: more bench flags, e.g. --no-step-graphs)
 #   verifyceiling  synthetic Llama-3-8B, batch 1, depth 32k: a speculative verification round
 #           of K drafts against a one-token step, K = 1..16 (VERIFY_KS), bf16 and affine:4
 #           (bench --verify-rounds; VERIFY_REPEAT timed rounds and steps per K, 8)
@@ -122,7 +123,7 @@ for step in "$@"; do
       for run in ${E2E8B_RUNS:-1:32768 16:32768 1:130000}; do set -- ${run/:/ }
         for bin in ${E2E8B_BINS:-tessera}; do for kv in ${E2E8B_KVS:-bf16 affine:4}; do
           echo "-- $bin" | tee -a $OUT/e2e-8b.txt
-          $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 \
+          $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 ${E2E8B_FLAGS:-} \
             --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens ${E2E8B_PROMPT:-2048} --repeat ${E2E8B_REPEAT:-1} --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
         done; done
       done ;;

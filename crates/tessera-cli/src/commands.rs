@@ -69,6 +69,7 @@ pub fn device(name: &str) -> Result<Device> {
 fn cuda_device(ordinal: usize) -> Result<Device> {
     tessera_kernels::backend::install();
     tessera_kernels::weights::install();
+    tessera_kernels::graphs::install();
     let device =
         Device::new_cuda(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?;
     if let Device::Cuda(cuda) = &device {
@@ -99,6 +100,7 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
         dequantize: args.f32_weights,
         isa: isa(args.isa.as_deref())?,
         device_weights: !args.candle_weights,
+        step_graphs: !args.no_step_graphs,
         ..Default::default()
     };
     Ok(Model::load(&path, &options, &device)?)

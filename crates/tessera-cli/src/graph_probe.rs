@@ -1,9 +1,10 @@
-//! `tessera bench --graph-probe`: what a CUDA graph of the decode step would save. One
-//! batch-1 decode step at `--depth` is captured (the device side of the forward, after the
-//! host has read the id and uploaded the RoPE tables) and replayed; each replay repeats the
-//! same step (the same KV slot written, the same positions read), so the figure is the
-//! step's time with the host's launches taken away: its GPU-bound floor, against the eager
-//! steps timed before it.
+//! `tessera bench --graph-probe`: decode steps as CUDA graphs at `--depth`, batch 1.
+//! First the step graphs the model runs by default (`LoadOptions::step_graphs`: everything
+//! but the KV cache's work captured once and replayed) against eager steps: the same greedy
+//! tokens and logits, and both timed. Then the ceiling: one whole step's device side (after
+//! the host has read the id and uploaded the RoPE tables) captured and replayed; each replay
+//! repeats the same step (the same KV slot written, the same positions read), so the figure
+//! is the step with all its launches taken off the host.
 
 use crate::commands::{load, scheme_of};
 use crate::{KvArgs, ModelArgs};
@@ -55,8 +56,59 @@ pub fn graph_probe(
             .to_scalar::<u32>()?)
     };
 
+    // The step graphs (`LoadOptions::step_graphs`: everything but the cache's work
+    // replayed) against eager steps, each from its own copy of the context: greedy tokens
+    // and logits over a few steps (the first captures), then each timed over `steps`.
+    let last = context[context.len() - 1];
+    let run = |graphs: bool, n: usize, collect: bool| -> Result<Steps> {
+        model.set_step_graphs(graphs);
+        let mut cache = session.cache().extract(0)?;
+        let mut out = Steps::default();
+        let mut token = last;
+        for i in 0..n + 4 {
+            let t = Instant::now();
+            let logits = model.forward(&ids(token)?, &mut cache, LogitsMode::Last)?;
+            let submitted = t.elapsed().as_secs_f64();
+            if collect {
+                out.logits.push(logits.flatten_all()?.to_vec1::<f32>()?);
+            }
+            token = argmax(&logits)?;
+            out.tokens.push(token);
+            if i >= 4 {
+                out.submit += submitted / n as f64;
+                out.step += t.elapsed().as_secs_f64() / n as f64;
+            }
+        }
+        Ok(out)
+    };
+    let compared = steps.min(28);
+    let (eager_run, graph_run) = (run(false, compared, true)?, run(true, compared, true)?);
+    let same_tokens = eager_run.tokens == graph_run.tokens;
+    let logit_diff = eager_run
+        .logits
+        .iter()
+        .zip(&graph_run.logits)
+        .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+        .fold(0f32, f32::max);
+    let (graphs_timed, eager_timed) = (run(true, steps, false)?, run(false, steps, false)?);
+    if !json {
+        println!(
+            "step graphs | kv {} | depth {depth} | {compared} steps: tokens the same as eager: {same_tokens}, largest logit difference {logit_diff:e}",
+            crate::commands::scheme_label(kv)
+        );
+        for (name, r) in [("eager", &eager_timed), ("graphs", &graphs_timed)] {
+            println!(
+                "{name:>6}  step {:.3} ms ({:.1} tok/s), {:.3} of them submitting",
+                1e3 * r.step,
+                1.0 / r.step,
+                1e3 * r.submit
+            );
+        }
+    }
+    model.set_step_graphs(false);
+
     // Eager steps, as `Batch::step_rows` takes them: a warm-up, then `steps` timed.
-    let mut token = context[context.len() - 1];
+    let mut token = last;
     let (mut submit, mut eager) = (0.0, 0.0);
     for i in 0..steps + 4 {
         let t = Instant::now();
@@ -137,49 +189,6 @@ pub fn graph_probe(
     drop(logits);
     stream.synchronize()?;
 
-    // Steps captured afresh each time (the host's walk recorded, not launched) and the
-    // instantiated graph updated to each: llama.cpp's way, which keeps the walk.
-    let (mut updated, mut update_error) = (0usize, None);
-    let t = Instant::now();
-    for _ in 0..steps {
-        let input = model.prepare(&ids(token)?, &cache)?;
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let out = model.forward_prepared(&input, &mut cache, LogitsMode::Last);
-        let mut g: sys::CUgraph = std::ptr::null_mut();
-        // SAFETY: ends the capture begun above on this stream; `g` is destroyed below.
-        let ended = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut g) };
-        if ended != sys::CUresult::CUDA_SUCCESS {
-            let step = out.err().map(|e| format!("{e:#}"));
-            update_error = Some(format!("ending the capture: {ended:?}; the step: {step:?}"));
-            break;
-        }
-        let logits = match out {
-            Ok(l) => l,
-            Err(e) => {
-                // SAFETY: `g` came from the capture and is not used again.
-                unsafe { sys::cuGraphDestroy(g).result()? };
-                update_error = Some(format!("the step under capture: {e:#}"));
-                break;
-            }
-        };
-        // SAFETY: a zeroed result record is a valid out-parameter.
-        let mut info: sys::CUgraphExecUpdateResultInfo = unsafe { std::mem::zeroed() };
-        // SAFETY: both handles are live; the exec is not running (stream synchronized by the
-        // last readback).
-        let r = unsafe { sys::cuGraphExecUpdate_v2(graph.cu_graph_exec(), g, &mut info) };
-        // SAFETY: `g` came from the capture and is not used again.
-        unsafe { sys::cuGraphDestroy(g).result()? };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            update_error = Some(format!("{r:?} ({:?})", info.result));
-            std::mem::forget(logits);
-            break;
-        }
-        graph.launch()?;
-        token = argmax(&logits)?;
-        drop(logits);
-        updated += 1;
-    }
-    let update = t.elapsed().as_secs_f64() / updated.max(1) as f64;
     drop(graph);
     stream.synchronize()?;
     let ms = |s: f64| 1e3 * s;
@@ -191,8 +200,10 @@ pub fn graph_probe(
                 "eager_step_ms": ms(eager), "eager_submit_ms": ms(submit),
                 "capture_ms": ms(capture), "instantiate_ms": ms(instantiate), "graph_nodes": nodes,
                 "replay_ms": ms(replay), "replay_readback_ms": ms(replay_read),
-                "replays_agree": same, "programmatic": programmatic, "updated_steps": updated, "updated_step_ms": ms(update),
-                "update_error": update_error,
+                "replays_agree": same, "programmatic": programmatic,
+                "step_graphs": {"compared_steps": compared, "same_tokens": same_tokens, "largest_logit_difference": logit_diff,
+                    "eager_step_ms": ms(eager_timed.step), "eager_submit_ms": ms(eager_timed.submit),
+                    "graphs_step_ms": ms(graphs_timed.step), "graphs_submit_ms": ms(graphs_timed.submit)},
             })
         );
     } else {
@@ -215,14 +226,17 @@ pub fn graph_probe(
             ms(replay_read),
             1.0 / replay_read
         );
-        match &update_error {
-            None => println!(
-                "recaptured and updated step {:.3} ms ({:.1} tok/s, {updated} steps)",
-                ms(update),
-                1.0 / update
-            ),
-            Some(e) => println!("recapture + cuGraphExecUpdate refused after {updated} steps: {e}"),
-        }
     }
     Ok(())
+}
+
+/// A run of decode steps: each step's greedy token (and logits, where collected), and the
+/// mean submit and step time of the steps after the warm-up.
+#[cfg(feature = "cuda")]
+#[derive(Default)]
+struct Steps {
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    submit: f64,
+    step: f64,
 }

@@ -48,6 +48,10 @@ pub struct ModelArgs {
     /// rows, bf16 GEMMs for prefill chunks of 256 rows or more).
     #[arg(long)]
     pub candle_weights: bool,
+    /// On a GPU, launch every kernel of every decode step instead of replaying each row
+    /// count's captured CUDA graphs (everything but the KV cache's work), to compare.
+    #[arg(long)]
+    pub no_step_graphs: bool,
     /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512`,
     /// `avx512vnni` or `amx` (AVX-512 VNNI plus the AMX-INT8 tiles the OS grants; default:
     /// the highest this CPU runs), e.g. to measure what an AVX2-only CPU gets.

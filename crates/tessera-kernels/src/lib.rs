@@ -106,6 +106,8 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 mod dependent;
 #[cfg(feature = "cuda")]
+pub mod graphs;
+#[cfg(feature = "cuda")]
 pub use dependent::set_programmatic;
 pub mod tally;
 #[cfg(feature = "cuda")]

@@ -137,6 +137,32 @@ struct Kernels {
     fragments: Mutex<Option<CudaSlice<u32>>>,
 }
 
+impl Kernels {
+    /// Fragment words a matmul of `k` inputs writes at most (a full launch of rows).
+    fn fragment_words(k: usize) -> usize {
+        [true, false]
+            .map(|split| n_tiles(rows_per_launch(split), split))
+            .into_iter()
+            .max()
+            .unwrap_or(1)
+            * k
+            * 4
+    }
+
+    /// Grows the fragment scratch, as a matrix of `k` inputs is made, to what any of its
+    /// matmuls needs: a matmul then never allocates, inside a captured step graph least of
+    /// all.
+    fn reserve_fragments(&self, k: usize) -> anyhow::Result<()> {
+        let words = Self::fragment_words(k);
+        let mut scratch = self.fragments.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.as_ref().is_none_or(|f| f.len() < words) {
+            // SAFETY: the input launches write every fragment word a matmul reads.
+            *scratch = Some(unsafe { self.device.cuda_stream().alloc::<u32>(words)? });
+        }
+        Ok(())
+    }
+}
+
 /// Installs the CUDA weight backend into tessera-models (once per process).
 pub fn install() {
     tessera_models::device_weights::install(Box::new(CudaWeights::default()));
@@ -230,6 +256,7 @@ impl CudaWeights {
     ) -> anyhow::Result<Q4Matrix> {
         let (codes, scales) = q4_0_planes(blocks, n, k)?;
         let kernels = self.kernels(device)?;
+        kernels.reserve_fragments(k)?;
         let stream = device.cuda_stream();
         Ok(Q4Matrix {
             codes: Arc::new(stream.clone_htod(&codes)?),

@@ -23,7 +23,10 @@ use crate::q8::{Linear, Projections};
 use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
+use std::sync::Mutex;
 use tessera_kv::{AttentionCache, Isa, KvCache, LayerSpec, Retention};
+
+mod graphed;
 
 /// The architectures this decoder runs (`general.architecture` in GGUF).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -571,23 +574,16 @@ impl Attention {
         )
     }
 
-    /// The stream's sum and the attention output.
-    fn forward(
-        &self,
-        s: &Residual,
-        norm: &RmsNorm,
-        rope: &Rope,
-        cache: &mut impl AttentionCache,
-    ) -> Result<(Tensor, Tensor), ModelError> {
-        let (x, p) = self.project(s, norm, rope)?;
+    /// The cache's part of the layer: `p`'s keys and values appended, its queries' read
+    /// `(b, heads, n, value_dim)`.
+    fn read(&self, p: &Projected, cache: &mut impl AttentionCache) -> Result<Tensor, ModelError> {
         cache.observe_queries(&p.q)?;
         let read = if p.q.dims()[2] == 1 {
             cache.append_decode(&p.k, &p.v)?
         } else {
             cache.append_window(&p.k, &p.v)?
         };
-        let attended = read.attend(&p.q, self.scale)?;
-        Ok((x, self.output(&attended)?))
+        Ok(read.attend(&p.q, self.scale)?)
     }
 }
 
@@ -636,32 +632,44 @@ impl Block {
             .ok_or_else(|| candle_core::Error::Msg("no RoPE table for a layer's kind".into()))
     }
 
-    /// The residual stream around attention (given as a closure of the stream and the norm
-    /// its projections take, returning the stream's sum and its output, so the cached and
-    /// the uncached reference forward share everything else) and the MLP. The norms travel
-    /// with their inputs, and each part's output is left pending in the stream, so that a
-    /// device backend can fold the add and the norm into the next matmul's input launch.
-    fn forward(
-        &self,
-        s: &Residual,
-        attend: impl FnOnce(&Residual, &RmsNorm) -> Result<(Tensor, Tensor), ModelError>,
-    ) -> Result<Residual, ModelError> {
+    /// The block up to its attention read: the stream's sum and the projections, roped.
+    fn project(&self, s: &Residual, rope: &Rope) -> candle_core::Result<(Tensor, Projected)> {
+        self.attn.project(s, &self.attn_norm, rope)
+    }
+
+    /// The block after its attention read `attended` `(b, heads, n, value_dim)`, given the
+    /// stream's sum `x`: the output projection, the MLP, and the norms. Each part's output
+    /// is left pending in the stream, so that a device backend can fold the add and the
+    /// norm into the next matmul's input launch.
+    fn finish(&self, x: Tensor, attended: &Tensor) -> candle_core::Result<Residual> {
         let post = |h: Tensor, i: usize| -> candle_core::Result<Tensor> {
             match &self.post_norms {
                 Some(norms) => [&norms.0, &norms.1][i].forward(&h),
                 None => Ok(h),
             }
         };
-        let (x, h) = attend(s, &self.attn_norm)?;
         let s = Residual {
             x,
-            pending: Some(post(h, 0)?),
+            pending: Some(post(self.attn.output(attended)?, 0)?),
         };
         let (x, h) = self.mlp.forward(&s, &self.ffn_norm)?;
         Ok(Residual {
             x,
             pending: Some(post(h, 1)?),
         })
+    }
+
+    /// The whole block, its attention read given as a closure of the projections (so the
+    /// cached and the uncached reference forward share everything else).
+    fn forward(
+        &self,
+        s: &Residual,
+        rope: &Rope,
+        read: impl FnOnce(&Projected) -> Result<Tensor, ModelError>,
+    ) -> Result<Residual, ModelError> {
+        let (x, p) = self.project(s, rope)?;
+        let attended = read(&p)?;
+        Ok(self.finish(x, &attended)?)
     }
 }
 
@@ -692,6 +700,9 @@ pub struct Decoder {
     isa: Isa,
     /// The GGUF's fingerprint ([`GgufFile::fingerprint`]).
     fingerprint: String,
+    /// Decode steps' device graphs by row count, where a graph backend serves the device
+    /// ([`crate::step_graph`]).
+    graphs: Mutex<graphed::StepGraphs>,
 }
 
 impl Decoder {
@@ -825,6 +836,7 @@ impl Decoder {
             device: device.clone(),
             isa: options.isa.capped(),
             fingerprint: g.fingerprint(),
+            graphs: Mutex::new(graphed::StepGraphs::new(options.step_graphs)),
         })
     }
 
@@ -893,7 +905,7 @@ impl Decoder {
         ])
     }
 
-    fn logits(&self, s: &Residual, mode: LogitsMode) -> Result<Tensor, ModelError> {
+    fn logits(&self, s: &Residual, mode: LogitsMode) -> candle_core::Result<Tensor> {
         let last = |t: &Tensor| -> candle_core::Result<Tensor> {
             match mode {
                 LogitsMode::Last => {
@@ -908,6 +920,14 @@ impl Decoder {
             pending: s.pending.as_ref().map(last).transpose()?,
         };
         Ok(self.output.forward_normed(&s, &self.final_norm)?.1)
+    }
+
+    /// Whether decode steps run as device graphs where a graph backend serves the device
+    /// (on by default: [`LoadOptions::step_graphs`]). Turning it off drops the graphs.
+    pub fn set_step_graphs(&self, on: bool) {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        graphs.enabled = on;
+        graphs.clear();
     }
 
     /// Runs `tokens` `(rows, n)` through the model, appending to `cache`: a prefill chunk
@@ -975,6 +995,27 @@ impl Decoder {
             }));
         }
         cache.check_append(n)?;
+        let graphs = self
+            .graphs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .enabled;
+        let backend = crate::step_graph::backend(&self.device);
+        if let (1, true, Some(backend)) = (n, graphs, backend) {
+            if b <= graphed::MAX_ROWS {
+                return self.forward_graphed(backend, input, cache, mode);
+            }
+        }
+        self.forward_eager(input, cache, mode)
+    }
+
+    /// [`Self::forward_prepared`] as ordinary launches.
+    fn forward_eager(
+        &self,
+        input: &StepInput,
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<Tensor, ModelError> {
         let mut s = Residual {
             x: input.x.clone(),
             pending: None,
@@ -982,9 +1023,9 @@ impl Decoder {
         for (i, block) in self.blocks.iter().enumerate() {
             let rope = block.rope(&input.ropes)?;
             let layer = cache.layer_mut(i);
-            s = block.forward(&s, |s, norm| block.attn.forward(s, norm, rope, layer))?;
+            s = block.forward(&s, rope, |p| block.attn.read(p, layer))?;
         }
-        self.logits(&s, mode)
+        Ok(self.logits(&s, mode)?)
     }
 
     /// One pass over a whole single sequence with no cache: attention computed directly
@@ -1005,9 +1046,8 @@ impl Decoder {
         for block in &self.blocks {
             let rope = block.rope(&ropes)?;
             let window = self.config.sliding_window.filter(|_| block.sliding);
-            s = block.forward(&s, |s, norm| {
+            s = block.forward(&s, rope, |p| {
                 let a = &block.attn;
-                let (x, p) = a.project(s, norm, rope)?;
                 let mut mask = vec![0f32; n * n];
                 for q in 0..n {
                     for k in 0..n {
@@ -1022,10 +1062,10 @@ impl Decoder {
                 let v = repeat_kv(&p.v, group)?;
                 let scores = (p.q.matmul(&k.t()?)? * a.scale as f64)?.broadcast_add(&mask)?;
                 let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-                Ok((x, a.output(&probs.matmul(&v)?)?))
+                Ok(probs.matmul(&v)?)
             })?;
         }
-        self.logits(&s, LogitsMode::All)
+        Ok(self.logits(&s, LogitsMode::All)?)
     }
 }
 

@@ -17,6 +17,7 @@ mod q8_amx;
 mod q8_x16;
 mod q8_x8;
 mod shares;
+pub mod step_graph;
 pub mod synth;
 mod tokenizer;
 
@@ -57,6 +58,10 @@ pub struct LoadOptions {
     /// ([`device_weights`]) where it takes them; off, they all run candle's quantized
     /// matmuls (to compare the two).
     pub device_weights: bool,
+    /// On a GPU, run decode steps as device graphs where a graph backend is installed
+    /// ([`step_graph`]): everything but the KV cache's work captured once per row count and
+    /// replayed; off, every step launches each kernel itself (to compare the two).
+    pub step_graphs: bool,
 }
 
 impl Default for LoadOptions {
@@ -67,6 +72,7 @@ impl Default for LoadOptions {
             mlp_activation: MlpActivation::Architecture,
             isa: Isa::detected(),
             device_weights: true,
+            step_graphs: true,
         }
     }
 }
@@ -140,6 +146,13 @@ impl Model {
     ) -> Result<Tensor, ModelError> {
         match self {
             Model::Decoder(m) => m.forward_prepared(input, cache, mode),
+        }
+    }
+
+    /// Turns decode-step graphs on or off ([`LoadOptions::step_graphs`]).
+    pub fn set_step_graphs(&self, on: bool) {
+        match self {
+            Model::Decoder(m) => m.set_step_graphs(on),
         }
     }
 

@@ -1,0 +1,60 @@
+//! tessera-models' decode-step graphs ([`tessera_models::step_graph`]) on CUDA: stream
+//! capture of candle's stream, which carries the model's kernels and the cache's alike.
+//! Instantiated to free, at each launch, what the previous launch allocated and left
+//! allocated (the tensors that cross into the next graph or the cache): a replay then
+//! rewrites them at the same addresses.
+
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
+use candle_core::{Device, Result};
+use std::sync::Arc;
+use tessera_models::step_graph::{DeviceGraph, GraphBackend};
+
+/// Installs the CUDA graph backend into tessera-models (once per process).
+pub fn install() {
+    tessera_models::step_graph::install(Box::new(CudaGraphs));
+}
+
+struct CudaGraphs;
+
+fn stream(device: &Device) -> Result<Arc<CudaStream>> {
+    match device {
+        Device::Cuda(d) => Ok(d.cuda_stream()),
+        _ => candle_core::bail!("CUDA graphs of a {:?} device", device.location()),
+    }
+}
+
+impl GraphBackend for CudaGraphs {
+    fn serves(&self, device: &Device) -> bool {
+        matches!(device, Device::Cuda(_))
+    }
+
+    fn begin(&self, device: &Device) -> Result<()> {
+        // Thread-local: only this thread's unsafe calls (a synchronous allocation, a
+        // synchronization) break the capture; the server's other threads touch no GPU.
+        stream(device)?
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(candle_core::Error::wrap)
+    }
+
+    fn end(&self, device: &Device) -> Result<Box<dyn DeviceGraph>> {
+        let graph = stream(device)?
+            .end_capture(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+            .map_err(candle_core::Error::wrap)?
+            .ok_or_else(|| candle_core::Error::Msg("the capture recorded no graph".into()))?;
+        Ok(Box::new(Graph(graph)))
+    }
+}
+
+struct Graph(CudaGraph);
+
+// SAFETY: a graph is used by one thread at a time (the decoder keeps its graphs behind a
+// mutex); the driver's graph objects are not tied to the thread that made them.
+unsafe impl Send for Graph {}
+
+impl DeviceGraph for Graph {
+    fn launch(&self) -> Result<()> {
+        self.0.launch().map_err(candle_core::Error::wrap)
+    }
+}

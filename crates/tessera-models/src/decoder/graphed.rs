@@ -1,0 +1,205 @@
+//! The decoder's decode step as device graphs, one set per row count
+//! ([`crate::step_graph`]): graph 0 is layer 0's norm, projections and RoPE; graph `i` the
+//! output projection and MLP of layer `i - 1` and then layer `i`'s projections; the last
+//! ends with the logits. Each layer's cache work runs eagerly between two graphs.
+
+use super::{Decoder, Projected, Residual, Rope, StepInput};
+use crate::step_graph::{captured, copy_into, DeviceGraph, GraphBackend};
+use crate::{LogitsMode, ModelError};
+use candle_core::Tensor;
+use tessera_kv::KvCache;
+
+/// Row counts whose graphs are kept (the most recently used); each holds its own memory.
+const KEPT: usize = 4;
+
+/// The most rows a graphed step has. With graphs of several row counts alive (a batch
+/// whose rows join one step apart), the H200 hit an illegal address within 8 to 16
+/// captures, not yet run down; one row's graphs held up over every run. Batch steps of
+/// more rows are GPU-bound anyway (16 rows at depth 32k: 4.6 ms of a 9.6 ms step on the
+/// host).
+pub(super) const MAX_ROWS: usize = 1;
+
+/// A row count's graphs, or the record that capturing them failed (its steps then run
+/// eagerly).
+enum Captured {
+    Ready(Box<StepGraph>),
+    Refused,
+}
+
+/// The graphs of the decoder's decode steps, by row count.
+pub(super) struct StepGraphs {
+    pub(super) enabled: bool,
+    by_rows: Vec<(usize, Captured)>,
+}
+
+impl StepGraphs {
+    pub(super) fn new(enabled: bool) -> Self {
+        StepGraphs {
+            enabled,
+            by_rows: Vec::new(),
+        }
+    }
+
+    /// Drops every captured graph (a later step captures again).
+    pub(super) fn clear(&mut self) {
+        self.by_rows.clear();
+    }
+}
+
+/// One row count's graphs and the tensors they read and write. The graphs come last so
+/// that the tensors in graph memory are freed before the graphs are destroyed.
+struct StepGraph {
+    /// The step's inputs, rewritten before each replay: the ids' embeddings and the RoPE
+    /// tables.
+    x: Tensor,
+    ropes: [Option<Rope>; 2],
+    /// Layer `i`'s stream sum and projections, written by graph `i`. The sums are only
+    /// read by the graphs; they are held here so that their memory lives as long as them.
+    #[allow(dead_code)]
+    sums: Vec<Tensor>,
+    projected: Vec<Projected>,
+    /// Layer `i`'s attention read, copied here for graph `i + 1`.
+    attended: Vec<Tensor>,
+    logits: Tensor,
+    graphs: Vec<Box<dyn DeviceGraph>>,
+}
+
+impl Decoder {
+    /// A decode step (`input` of one token a row) through the row count's graphs, captured
+    /// by this step where they are not yet.
+    pub(super) fn forward_graphed(
+        &self,
+        backend: &dyn GraphBackend,
+        input: &StepInput,
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<Tensor, ModelError> {
+        let rows = input.shape.0;
+        let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        let at = graphs.by_rows.iter().position(|(r, _)| *r == rows);
+        if let Some(at) = at {
+            // Most recently used last.
+            let entry = graphs.by_rows.remove(at);
+            graphs.by_rows.push(entry);
+            return match &graphs.by_rows[graphs.by_rows.len() - 1].1 {
+                Captured::Ready(g) => g.replay(self, input, cache),
+                Captured::Refused => self.forward_eager(input, cache, mode),
+            };
+        }
+        let (graph, logits) = self.capture_step(backend, input, cache, mode)?;
+        if graphs.by_rows.len() == KEPT {
+            graphs.by_rows.remove(0);
+        }
+        let entry = match graph {
+            Some(g) => Captured::Ready(Box::new(g)),
+            None => Captured::Refused,
+        };
+        graphs.by_rows.push((rows, entry));
+        Ok(logits)
+    }
+
+    /// Runs one decode step while capturing its graphs. Returns them (`None` where some
+    /// capture failed: that part then ran as ordinary launches) and the step's logits.
+    fn capture_step(
+        &self,
+        backend: &dyn GraphBackend,
+        input: &StepInput,
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<(Option<StepGraph>, Tensor), ModelError> {
+        let device = &self.device;
+        // The inputs' own buffers, in ordinary memory: replays copy each step's into them.
+        let x = input.x.copy()?;
+        let copy_rope = |r: &Option<Rope>| -> candle_core::Result<Option<Rope>> {
+            r.as_ref()
+                .map(|r| {
+                    Ok(Rope {
+                        cos: r.cos.copy()?,
+                        sin: r.sin.copy()?,
+                        interleaved: r.interleaved,
+                    })
+                })
+                .transpose()
+        };
+        let ropes = [copy_rope(&input.ropes[0])?, copy_rope(&input.ropes[1])?];
+        let mut graphs = Vec::with_capacity(self.blocks.len() + 1);
+        let mut complete = true;
+        let mut keep = |g: Option<Box<dyn DeviceGraph>>| match g {
+            Some(g) => graphs.push(g),
+            None => complete = false,
+        };
+        let first = &self.blocks[0];
+        let ((sum, p), g) = captured(backend, device, || {
+            let s = Residual {
+                x: x.clone(),
+                pending: None,
+            };
+            first.project(&s, first.rope(&ropes)?)
+        })?;
+        keep(g);
+        let (mut sums, mut projected) = (vec![sum], vec![p]);
+        let mut attended = Vec::with_capacity(self.blocks.len());
+        let mut logits = None;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let read = block.attn.read(&projected[i], cache.layer_mut(i))?;
+            attended.push(read.copy()?);
+            let (sum, read) = (&sums[i], &attended[i]);
+            match self.blocks.get(i + 1) {
+                Some(next) => {
+                    let ((sum, p), g) = captured(backend, device, || {
+                        let s = block.finish(sum.clone(), read)?;
+                        next.project(&s, next.rope(&ropes)?)
+                    })?;
+                    keep(g);
+                    sums.push(sum);
+                    projected.push(p);
+                }
+                None => {
+                    let (l, g) = captured(backend, device, || {
+                        self.logits(&block.finish(sum.clone(), read)?, mode)
+                    })?;
+                    keep(g);
+                    logits = Some(l);
+                }
+            }
+        }
+        let logits = logits.ok_or(ModelError::EmptyInput { rows: 0, tokens: 0 })?;
+        // The caller's logits are a copy: the graph's are rewritten by the next replay.
+        let out = logits.copy()?;
+        let graph = complete.then_some(StepGraph {
+            x,
+            ropes,
+            sums,
+            projected,
+            attended,
+            logits,
+            graphs,
+        });
+        Ok((graph, out))
+    }
+}
+
+impl StepGraph {
+    fn replay(
+        &self,
+        decoder: &Decoder,
+        input: &StepInput,
+        cache: &mut KvCache,
+    ) -> Result<Tensor, ModelError> {
+        copy_into(&self.x, &input.x)?;
+        for (mine, given) in self.ropes.iter().zip(&input.ropes) {
+            if let (Some(mine), Some(given)) = (mine, given) {
+                copy_into(&mine.cos, &given.cos)?;
+                copy_into(&mine.sin, &given.sin)?;
+            }
+        }
+        let layers = decoder.blocks.len();
+        for (i, block) in decoder.blocks.iter().enumerate() {
+            self.graphs[i].launch()?;
+            let read = block.attn.read(&self.projected[i], cache.layer_mut(i))?;
+            copy_into(&self.attended[i], &read)?;
+        }
+        self.graphs[layers].launch()?;
+        Ok(self.logits.copy()?)
+    }
+}

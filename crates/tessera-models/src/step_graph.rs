@@ -1,0 +1,85 @@
+//! Decode steps replayed as device graphs. A decode step's launches are the host's cost at
+//! small batches (≈ 390 for an 8B model, 5–7 µs each); everything in the step but the KV
+//! cache's work depends only on the batch's row count, so it is captured once per row
+//! count and replayed. The cache's appends and reads stay eager between the graphs: the
+//! step is one graph per layer boundary (the previous layer's output projection and MLP,
+//! then this layer's norm, projections and RoPE), with the layer's cache work between.
+//!
+//! Inputs a step changes (the ids' embeddings, the RoPE tables) are copied into buffers
+//! the graphs captured, and so is each layer's attention read; tensors that cross from one
+//! graph to the next or to the cache live in graph memory, at the addresses the capture
+//! gave them, rewritten by every replay. tessera-models defines the interface and stays
+//! CPU-only; tessera-kernels (feature `cuda`) implements it ([`install`]).
+
+use candle_core::{Device, Result, Tensor};
+use std::sync::OnceLock;
+
+/// Captures the work queued on a device's stream by this thread into graphs.
+pub trait GraphBackend: Send + Sync {
+    /// Whether this backend captures `device`'s work.
+    fn serves(&self, device: &Device) -> bool;
+    /// Starts capturing `device`'s stream: its work is recorded, not run.
+    fn begin(&self, device: &Device) -> Result<()>;
+    /// Ends the capture begun on `device` and instantiates what it recorded. Called after
+    /// every [`Self::begin`], also when the work in between failed.
+    fn end(&self, device: &Device) -> Result<Box<dyn DeviceGraph>>;
+}
+
+/// An instantiated graph.
+pub trait DeviceGraph: Send {
+    /// Queues the graph on the stream it was captured on.
+    fn launch(&self) -> Result<()>;
+}
+
+static BACKEND: OnceLock<Box<dyn GraphBackend>> = OnceLock::new();
+
+/// Installs the process's graph backend; a second call keeps the first.
+pub fn install(backend: Box<dyn GraphBackend>) {
+    let _ = BACKEND.set(backend);
+}
+
+/// The installed backend, where it serves `device`.
+pub(crate) fn backend(device: &Device) -> Option<&'static dyn GraphBackend> {
+    BACKEND
+        .get()
+        .map(|b| b.as_ref())
+        .filter(|b| b.serves(device))
+}
+
+/// `f`'s work captured as a graph and launched once (so its outputs hold values); where the
+/// capture fails, `f` is run again as ordinary launches and no graph is returned. `f` must
+/// only queue device work (no cache state, nothing read back).
+pub(crate) fn captured<T>(
+    backend: &dyn GraphBackend,
+    device: &Device,
+    f: impl Fn() -> Result<T>,
+) -> Result<(T, Option<Box<dyn DeviceGraph>>)> {
+    backend.begin(device)?;
+    let out = f();
+    let graph = backend.end(device);
+    match (out, graph) {
+        (Ok(out), Ok(graph)) => {
+            graph.launch()?;
+            Ok((out, Some(graph)))
+        }
+        (Ok(out), Err(_)) => {
+            // Its tensors sit at addresses of a capture that was never instantiated:
+            // freeing them would be an error of its own, so they are left.
+            std::mem::forget(out);
+            Ok((f()?, None))
+        }
+        (Err(_), _) => Ok((f()?, None)),
+    }
+}
+
+/// An in-place copy of `src` into `dst` (same shape and type, both contiguous).
+pub(crate) fn copy_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.dims() != src.dims() {
+        candle_core::bail!(
+            "a step graph's input {:?} given {:?}",
+            dst.dims(),
+            src.dims()
+        );
+    }
+    dst.slice_set(&src.contiguous()?, 0, 0)
+}
