@@ -1,0 +1,155 @@
+//! The decode step's graph path (`step_graph`, `decoder/graphed.rs`) on the CPU, through a
+//! stand-in backend: capturing runs the work as it is queued (the CPU has no capture), so
+//! the step that captures must give exactly the eager step's logits, part by part wired as
+//! the eager walk; a backend that refuses every capture must leave every step exactly as
+//! eager and be asked once per row count; a replay launches every graph of the step.
+//! The GPU's replays are checked against eager steps by `tessera bench --graph-probe`.
+
+use candle_core::{Device, Result, Tensor};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use tessera_kv::{KvCache, KvScheme};
+use tessera_models::step_graph::{install, DeviceGraph, GraphBackend};
+use tessera_models::synth::{parse_dtype, preset, write_model};
+use tessera_models::{LoadOptions, LogitsMode, Model};
+
+#[derive(Default)]
+struct Counts {
+    serving: AtomicBool,
+    refuse: AtomicBool,
+    begins: AtomicUsize,
+    ends: AtomicUsize,
+    launches: Arc<AtomicUsize>,
+}
+
+struct StandIn(Arc<Counts>);
+
+struct Counted(Arc<AtomicUsize>);
+
+impl DeviceGraph for Counted {
+    fn launch(&self) -> Result<()> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+impl GraphBackend for StandIn {
+    fn serves(&self, device: &Device) -> bool {
+        device.is_cpu() && self.0.serving.load(Ordering::SeqCst)
+    }
+    fn begin(&self, _: &Device) -> Result<()> {
+        self.0.begins.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn end(&self, _: &Device) -> Result<Box<dyn DeviceGraph>> {
+        self.0.ends.fetch_add(1, Ordering::SeqCst);
+        if self.0.refuse.load(Ordering::SeqCst) {
+            candle_core::bail!("refused by the stand-in");
+        }
+        Ok(Box::new(Counted(self.0.launches.clone())))
+    }
+}
+
+/// `steps` decode steps after a prefill of `prompt`, on a fresh cache: each step's logits.
+fn decode(model: &Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
+    let dev = Device::Cpu;
+    let scheme = KvScheme::parse("bf16").unwrap();
+    let mut cache = KvCache::new(&model.layer_specs(), &scheme, vec![0]).unwrap();
+    let ids = Tensor::from_slice(prompt, (1, prompt.len()), &dev).unwrap();
+    model.forward(&ids, &mut cache, LogitsMode::Last).unwrap();
+    let mut token = 7u32;
+    let mut out = Vec::new();
+    for _ in 0..steps {
+        let ids = Tensor::new(&[[token]], &dev).unwrap();
+        let logits: Vec<f32> = model
+            .forward(&ids, &mut cache, LogitsMode::Last)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        token = (0..logits.len())
+            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+            .unwrap() as u32;
+        out.push(logits);
+    }
+    out
+}
+
+#[test]
+fn graph_path_computes_the_eager_step_and_falls_back_on_a_refused_capture() {
+    let counts = Arc::new(Counts::default());
+    install(Box::new(StandIn(counts.clone())));
+    let dir = std::env::temp_dir().join(format!("tessera-step-graph-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Llama: one RoPE table; Gemma 3: two (sliding and global layers) and post-norms.
+    for arch in ["llama", "gemma3"] {
+        let path = dir.join(format!("{arch}.gguf"));
+        write_model(
+            &preset(arch, "tiny").unwrap(),
+            parse_dtype("q8_0").unwrap(),
+            3,
+            &path,
+        )
+        .unwrap();
+        let (model, _) = Model::load(&path, &LoadOptions::default(), &Device::Cpu).unwrap();
+        let Model::Decoder(d) = &model;
+        let parts = d.config().layers + 1;
+        let prompt: Vec<u32> = (0..20).map(|i| 300 + 7 * i).collect();
+
+        counts.serving.store(false, Ordering::SeqCst);
+        let eager = decode(&model, &prompt, 4);
+        assert_eq!(
+            counts.begins.load(Ordering::SeqCst),
+            0,
+            "{arch}: no backend served"
+        );
+
+        // Every capture refused: the first step tries each part once and runs it eagerly;
+        // the row count then stays eager.
+        counts.serving.store(true, Ordering::SeqCst);
+        counts.refuse.store(true, Ordering::SeqCst);
+        model.set_step_graphs(true);
+        let refused = decode(&model, &prompt, 4);
+        assert_eq!(refused, eager, "{arch}: steps after refused captures");
+        assert_eq!(
+            counts.begins.load(Ordering::SeqCst),
+            parts,
+            "{arch}: captures tried"
+        );
+        assert_eq!(
+            counts.ends.load(Ordering::SeqCst),
+            parts,
+            "{arch}: captures ended"
+        );
+        assert_eq!(counts.launches.load(Ordering::SeqCst), 0, "{arch}");
+
+        // Captures accepted: the capturing step is the eager step exactly, each part's
+        // graph launched once; the next step replays every graph and captures nothing.
+        counts.refuse.store(false, Ordering::SeqCst);
+        model.set_step_graphs(true);
+        let captured = decode(&model, &prompt, 1);
+        assert_eq!(captured[0], eager[0], "{arch}: the capturing step");
+        assert_eq!(counts.begins.load(Ordering::SeqCst), 2 * parts, "{arch}");
+        assert_eq!(counts.launches.load(Ordering::SeqCst), parts, "{arch}");
+        decode(&model, &prompt, 1);
+        assert_eq!(
+            counts.begins.load(Ordering::SeqCst),
+            2 * parts,
+            "{arch}: a replay"
+        );
+        assert_eq!(
+            counts.launches.load(Ordering::SeqCst),
+            2 * parts,
+            "{arch}: a replay"
+        );
+
+        // Off, nothing is asked of the backend.
+        model.set_step_graphs(false);
+        assert_eq!(decode(&model, &prompt, 2), eager[..2], "{arch}: graphs off");
+        assert_eq!(counts.begins.load(Ordering::SeqCst), 2 * parts, "{arch}");
+        counts.begins.store(0, Ordering::SeqCst);
+        counts.ends.store(0, Ordering::SeqCst);
+        counts.launches.store(0, Ordering::SeqCst);
+    }
+}
