@@ -47,14 +47,17 @@ pub(crate) fn backend(device: &Device) -> Option<&'static dyn GraphBackend> {
 }
 
 /// `f`'s work captured as a graph and launched once (so its outputs hold values); where the
-/// capture fails, `f` is run again as ordinary launches and no graph is returned. `f` must
+/// capture cannot begin or fails, `f` runs (again) as ordinary launches and no graph is
+/// returned. `f` must
 /// only queue device work (no cache state, nothing read back).
 pub(crate) fn captured<T>(
     backend: &dyn GraphBackend,
     device: &Device,
     f: impl Fn() -> Result<T>,
 ) -> Result<(T, Option<Box<dyn DeviceGraph>>)> {
-    backend.begin(device)?;
+    if backend.begin(device).is_err() {
+        return Ok((f()?, None));
+    }
     let out = f();
     let graph = backend.end(device);
     match (out, graph) {

@@ -2,7 +2,8 @@
 //! stand-in backend: capturing runs the work as it is queued (the CPU has no capture), so
 //! the step that captures must give exactly the eager step's logits, part by part wired as
 //! the eager walk; a backend that refuses every capture must leave every step exactly as
-//! eager and be asked once per row count; a replay launches every graph of the step.
+//! eager and be asked once per row count (so must one whose captures cannot begin); a
+//! replay launches every graph of the step.
 //! The GPU's replays are checked against eager steps by `tessera bench --graph-probe`.
 
 use candle_core::{Device, Result, Tensor};
@@ -17,6 +18,7 @@ use tessera_models::{LoadOptions, LogitsMode, Model};
 struct Counts {
     serving: AtomicBool,
     refuse: AtomicBool,
+    refuse_begin: AtomicBool,
     begins: AtomicUsize,
     ends: AtomicUsize,
     launches: Arc<AtomicUsize>,
@@ -39,6 +41,9 @@ impl GraphBackend for StandIn {
     }
     fn begin(&self, _: &Device) -> Result<()> {
         self.0.begins.fetch_add(1, Ordering::SeqCst);
+        if self.0.refuse_begin.load(Ordering::SeqCst) {
+            candle_core::bail!("no capture begins in the stand-in");
+        }
         Ok(())
     }
     fn end(&self, _: &Device) -> Result<Box<dyn DeviceGraph>> {
@@ -123,6 +128,19 @@ fn graph_path_computes_the_eager_step_and_falls_back_on_a_refused_capture() {
             "{arch}: captures ended"
         );
         assert_eq!(counts.launches.load(Ordering::SeqCst), 0, "{arch}");
+
+        // A capture that cannot begin: the same, with no capture to end.
+        counts.refuse_begin.store(true, Ordering::SeqCst);
+        model.set_step_graphs(true);
+        assert_eq!(
+            decode(&model, &prompt, 2),
+            eager[..2],
+            "{arch}: no capture begun"
+        );
+        assert_eq!(counts.begins.load(Ordering::SeqCst), 2 * parts, "{arch}");
+        assert_eq!(counts.ends.load(Ordering::SeqCst), parts, "{arch}");
+        counts.refuse_begin.store(false, Ordering::SeqCst);
+        counts.begins.store(parts, Ordering::SeqCst);
 
         // Captures accepted: the capturing step is the eager step exactly, each part's
         // graph launched once; the next step replays every graph and captures nothing.
