@@ -107,60 +107,24 @@ pub fn graph_probe(
     }
     model.set_step_graphs(false);
 
-    // Eager steps, as `Batch::step_rows` takes them: a warm-up, then `steps` timed.
-    let mut token = last;
-    let (mut submit, mut eager) = (0.0, 0.0);
-    for i in 0..steps + 4 {
-        let t = Instant::now();
-        let logits = model.forward(&ids(token)?, &mut cache, LogitsMode::Last)?;
-        let submitted = t.elapsed().as_secs_f64();
-        token = argmax(&logits)?;
-        if i >= 4 {
-            submit += submitted;
-            eager += t.elapsed().as_secs_f64();
-        }
-    }
-    let (submit, eager) = (submit / steps as f64, eager / steps as f64);
-    if !json {
-        eprintln!("eager steps timed; capturing");
-    }
-
-    // One step captured: the host side first, outside the capture. A capture that fails
-    // with programmatic launches is tried once more without them.
-    let attempt = |cache: &mut tessera_kv::KvCache, token: u32| -> Result<_> {
-        let input = model.prepare(&ids(token)?, cache)?;
-        stream.synchronize()?;
-        let t = Instant::now();
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let captured = model.forward_prepared(&input, cache, LogitsMode::Last);
-        let capture = t.elapsed().as_secs_f64();
-        // An allocation the graph makes and does not free (the logits) is freed by its
-        // next launch; the last one's by dropping `logits` after the replays.
-        let ended = stream.end_capture(
-            sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-        );
-        let instantiate = t.elapsed().as_secs_f64() - capture;
-        let logits = captured.context("the step under capture")?;
-        let graph = ended
-            .context("ending the capture and instantiating the graph")?
-            .context("the capture recorded no graph")?;
-        Ok((graph, logits, capture, instantiate))
-    };
-    let mut programmatic = true;
-    let (graph, logits, capture, instantiate) = match attempt(&mut cache, token) {
-        Ok(g) => g,
-        Err(e) => {
-            println!("capture with programmatic launches failed: {e:#}");
-            let _ = stream.synchronize();
-            tessera_kernels::set_programmatic(false);
-            programmatic = false;
-            for _ in 0..2 {
-                let logits = model.forward(&ids(token)?, &mut cache, LogitsMode::Last)?;
-                token = argmax(&logits)?;
-            }
-            attempt(&mut cache, token).context("the capture without programmatic launches")?
-        }
-    };
+    // The ceiling: one whole step's device side captured, the host side (the id, the RoPE
+    // tables) outside the capture. The eager steps to compare with are `eager_timed`.
+    let input = model.prepare(&ids(last)?, &cache)?;
+    stream.synchronize()?;
+    let t = Instant::now();
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let captured = model.forward_prepared(&input, &mut cache, LogitsMode::Last);
+    let capture = t.elapsed().as_secs_f64();
+    // An allocation the graph makes and does not free (the logits) is freed by its next
+    // launch; the last one's by dropping `logits` after the replays.
+    let ended = stream.end_capture(
+        sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+    );
+    let instantiate = t.elapsed().as_secs_f64() - capture;
+    let logits = captured.context("the step under capture")?;
+    let graph = ended
+        .context("ending the capture and instantiating the graph")?
+        .context("the capture recorded no graph")?;
     let mut nodes = 0usize;
     // SAFETY: counts the nodes of a live graph (a null array asks only for the count).
     unsafe {
@@ -187,8 +151,6 @@ pub fn graph_probe(
     }
     let replay_read = t.elapsed().as_secs_f64() / steps as f64;
     drop(logits);
-    stream.synchronize()?;
-
     drop(graph);
     stream.synchronize()?;
     let ms = |s: f64| 1e3 * s;
@@ -197,10 +159,9 @@ pub fn graph_probe(
             "{}",
             serde_json::json!({
                 "depth": depth, "steps": steps, "kv": crate::commands::scheme_label(kv),
-                "eager_step_ms": ms(eager), "eager_submit_ms": ms(submit),
                 "capture_ms": ms(capture), "instantiate_ms": ms(instantiate), "graph_nodes": nodes,
                 "replay_ms": ms(replay), "replay_readback_ms": ms(replay_read),
-                "replays_agree": same, "programmatic": programmatic,
+                "replays_agree": same,
                 "step_graphs": {"compared_steps": compared, "same_tokens": same_tokens, "largest_logit_difference": logit_diff,
                     "eager_step_ms": ms(eager_timed.step), "eager_submit_ms": ms(eager_timed.submit),
                     "graphs_step_ms": ms(graphs_timed.step), "graphs_submit_ms": ms(graphs_timed.submit)},
@@ -208,16 +169,10 @@ pub fn graph_probe(
         );
     } else {
         println!(
-            "graph probe | kv {} | depth {depth} | {nodes} nodes (capture {:.2} ms, instantiate {:.2} ms) | programmatic launches {programmatic}",
+            "graph probe | kv {} | depth {depth} | {nodes} nodes (capture {:.2} ms, instantiate {:.2} ms)",
             crate::commands::scheme_label(kv),
             ms(capture),
             ms(instantiate)
-        );
-        println!(
-            "eager    step {:.3} ms ({:.1} tok/s), {:.3} of them submitting",
-            ms(eager),
-            1.0 / eager,
-            ms(submit)
         );
         println!(
             "replayed step {:.3} ms back to back ({:.1} tok/s), {:.3} ms with the id read back each ({:.1} tok/s); replays agree: {same}",

@@ -11,16 +11,6 @@ use candle_core::cuda_backend::cudarc::driver::{
     sys, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop,
 };
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-static PROGRAMMATIC: AtomicBool = AtomicBool::new(true);
-
-/// Whether [`DependentLaunch`] asks for programmatic serialization (on by default). Off,
-/// its launches are ordinary stream-ordered ones and the kernels' `griddepcontrol`
-/// instructions no-ops: a comparison point for benches and graph captures.
-pub fn set_programmatic(on: bool) {
-    PROGRAMMATIC.store(on, Ordering::Relaxed);
-}
 
 /// One launch's arguments, in order: scalars and device pointers held here in 8-byte slots
 /// (a kernel reads an `int` or `float` parameter from its slot's first 4 bytes:
@@ -125,7 +115,7 @@ impl<'a> DependentLaunch<'a> {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(PROGRAMMATIC.load(Ordering::Relaxed)),
+            numAttrs: 1,
         };
         // SAFETY: params point at slots and borrowed values that outlive the call (the driver
         // copies them).

@@ -107,8 +107,6 @@ pub mod cuda;
 mod dependent;
 #[cfg(feature = "cuda")]
 pub mod graphs;
-#[cfg(feature = "cuda")]
-pub use dependent::set_programmatic;
 pub mod tally;
 #[cfg(feature = "cuda")]
 pub mod weights;

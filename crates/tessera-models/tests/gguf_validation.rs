@@ -5,39 +5,12 @@
 use candle_core::quantized::gguf_file::{self, Content, Value};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tessera_kv::{KvCache, KvScheme};
-use tessera_models::synth::{parse_dtype, preset, write_model};
 use tessera_models::{LoadOptions, LogitsMode, Model};
 
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let dir = std::env::temp_dir().join(format!("tessera-gguf-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Dir(dir)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A synthesized tiny model of `arch`.
-fn tiny(dir: &Path, arch: &str) -> PathBuf {
-    let path = dir.join(format!("{arch}.gguf"));
-    write_model(
-        &preset(arch, "tiny").unwrap(),
-        parse_dtype("q8_0").unwrap(),
-        3,
-        &path,
-    )
-    .unwrap();
-    path
-}
+mod common;
+use common::{tiny, Dir};
 
 type Metadata = Vec<(String, Value)>;
 type Tensors = Vec<(String, QTensor)>;

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use tessera_kv::{KvCache, KvScheme};
 use tessera_models::step_graph::{install, DeviceGraph, GraphBackend};
-use tessera_models::synth::{parse_dtype, preset, write_model};
+
+mod common;
+use common::{tiny, Dir};
 use tessera_models::{LoadOptions, LogitsMode, Model};
 
 #[derive(Default)]
@@ -85,18 +87,10 @@ fn decode(model: &Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
 fn graph_path_computes_the_eager_step_and_falls_back_on_a_refused_capture() {
     let counts = Arc::new(Counts::default());
     install(Box::new(StandIn(counts.clone())));
-    let dir = std::env::temp_dir().join(format!("tessera-step-graph-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Dir::new("step-graph");
     // Llama: one RoPE table; Gemma 3: two (sliding and global layers) and post-norms.
     for arch in ["llama", "gemma3"] {
-        let path = dir.join(format!("{arch}.gguf"));
-        write_model(
-            &preset(arch, "tiny").unwrap(),
-            parse_dtype("q8_0").unwrap(),
-            3,
-            &path,
-        )
-        .unwrap();
+        let path = tiny(&dir.0, arch);
         let (model, _) = Model::load(&path, &LoadOptions::default(), &Device::Cpu).unwrap();
         let Model::Decoder(d) = &model;
         let parts = d.config().layers + 1;
