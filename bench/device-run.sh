@@ -39,6 +39,9 @@
 #   graphprobe  a batch-1 decode step of the synthetic 8B captured as a CUDA graph and replayed,
 #           against eager steps, and recaptured + cuGraphExecUpdate each step (bench --graph-probe;
 #           PROBE_KVS, PROBE_DEPTHS, PROBE_STEPS)
+#   graphrows  step graphs for every row count (--step-graph-rows 16) on batch 16: a tiny
+#           synthetic Llama with and without graphs, then under compute-sanitizer memcheck, then
+#           the synthetic 8B (GRAPHROWS_8B=0 skips it; GRAPHROWS_KV, affine:4)
 #   llamabuild  llama.cpp's CUDA build (carried source), in the background; llamawait waits
 #           for it (LLAMA_WAIT seconds at most); llamabench runs llama-bench on the synthetic 8B
 #           (LLAMA_KVS caches, LLAMA_DEPTHS, LLAMA_REPS)
@@ -135,6 +138,20 @@ for step in "$@"; do
         $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $d --gen-tokens ${PROBE_STEPS:-64} \
           --graph-probe 2>&1 | tee -a $OUT/graph-probe.txt
       done; done ;;
+    graphrows)
+      log graphrows; m=/tmp/llama-tiny-256.gguf; kv=${GRAPHROWS_KV:-affine:4}
+      [ -f $m ] || $T model synth --arch llama --preset tiny-256 --dtype q4_0 --out $m
+      tiny="bench --model $m --device cuda --kv $kv --batch 16 --depth 0 --prompt-tokens 64 --gen-tokens 8"
+      for g in 1 16; do echo "-- tiny, --step-graph-rows $g"; $T $tiny --step-graph-rows $g 2>&1 | tee -a $OUT/graph-rows.txt || true; done
+      CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+      echo "-- memcheck ($CS), tiny, --step-graph-rows 16" | tee -a $OUT/graph-rows.txt
+      [ -n "$CS" ] && timeout 240 $CS --tool memcheck --print-limit 12 $T $tiny --step-graph-rows 16 2>&1 | tail -80 | tee -a $OUT/graph-rows.txt || true
+      if [ "${GRAPHROWS_8B:-1}" = 1 ]; then
+        [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+        for g in 16 1; do echo "-- 8b, --step-graph-rows $g" | tee -a $OUT/graph-rows.txt
+          $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --batch 16 --depth 0 --prompt-tokens 512 --gen-tokens 32 --step-graph-rows $g 2>&1 | tail -3 | tee -a $OUT/graph-rows.txt || true
+        done
+      fi ;;
     greedy8b)
       # Each carried binary's greedy text and eval figures on the synthetic 8B (GREEDY_BINS,
       # "tessera-old tessera"): a kernel change that keeps the arithmetic must match them all.

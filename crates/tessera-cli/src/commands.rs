@@ -101,6 +101,7 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
         isa: isa(args.isa.as_deref())?,
         device_weights: !args.candle_weights,
         step_graphs: !args.no_step_graphs,
+        step_graph_rows: args.step_graph_rows,
         ..Default::default()
     };
     Ok(Model::load(&path, &options, &device)?)

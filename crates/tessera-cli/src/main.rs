@@ -52,6 +52,10 @@ pub struct ModelArgs {
     /// count's captured CUDA graphs (everything but the KV cache's work), to compare.
     #[arg(long)]
     pub no_step_graphs: bool,
+    /// On a GPU, the most rows a decode step replayed as graphs has; steps of more rows
+    /// launch every kernel (each row count captures its own graphs, the 4 last used kept).
+    #[arg(long, default_value_t = 1)]
+    pub step_graph_rows: usize,
     /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512`,
     /// `avx512vnni` or `amx` (AVX-512 VNNI plus the AMX-INT8 tiles the OS grants; default:
     /// the highest this CPU runs), e.g. to measure what an AVX2-only CPU gets.

@@ -209,6 +209,10 @@ pub struct BatchTimes {
     /// its results. On a GPU, a step whose submit time is close to its whole time is bound
     /// by the host.
     pub decode_submit: Duration,
+    /// Rows moved: the merges of prompts' rows into the running batch and the filters of
+    /// finished rows out of it (with the extracts a prefix store keeps), and how many.
+    pub rows: Duration,
+    pub row_moves: usize,
 }
 
 impl BatchTimes {
@@ -221,6 +225,8 @@ impl BatchTimes {
         self.decode_steps += other.decode_steps;
         self.decode_rows += other.decode_rows;
         self.decode_submit += other.decode_submit;
+        self.rows += other.rows;
+        self.row_moves += other.row_moves;
     }
 }
 
@@ -728,11 +734,10 @@ impl<'m> Batch<'m> {
             if !left.is_empty() {
                 cache.filter(&joining.iter().map(|(i, _)| *i).collect::<Vec<_>>())?;
             }
-            self.running = Some(match self.running.take() {
-                None => cache,
-                Some(running) => KvCache::merge(vec![running, cache])?,
-            });
+            self.times.prefill += started.elapsed();
+            self.join(cache)?;
             self.rows.extend(joining.into_iter().map(|(_, row)| row));
+            return Ok(true);
         }
         self.times.prefill += started.elapsed();
         Ok(true)
@@ -874,12 +879,25 @@ impl<'m> Batch<'m> {
             self.leave(row.id, row.history[..row.prompt_tokens].to_vec(), p.cache)?;
             return Ok(());
         }
-        self.running = Some(match self.running.take() {
-            None => p.cache,
-            Some(running) => KvCache::merge(vec![running, p.cache])?,
-        });
+        self.join(p.cache)?;
         self.rows.push(row);
         Ok(())
+    }
+
+    /// Appends `cache`'s rows to the running batch.
+    fn join(&mut self, cache: KvCache) -> Result<(), EngineError> {
+        let started = Instant::now();
+        // A refused join leaves the running rows as they were.
+        let joined = match self.running.as_mut() {
+            None => {
+                self.running = Some(cache);
+                Ok(())
+            }
+            Some(running) => running.extend(cache),
+        };
+        self.times.rows += started.elapsed();
+        self.times.row_moves += 1;
+        Ok(joined?)
     }
 
     /// One token for every running row (with speculation, each row's accepted drafts and
@@ -1076,7 +1094,8 @@ impl<'m> Batch<'m> {
         if gone.is_empty() {
             return Ok(());
         }
-        let keep: Vec<usize> = (0..self.rows.len()).filter(|i| !gone.contains(i)).collect();
+        let started = Instant::now();
+        let keep = gaps_filled_from_the_end(self.rows.len(), gone);
         if self.prefixes.is_some() || self.kept.is_some() {
             let offsets = self
                 .running
@@ -1104,15 +1123,37 @@ impl<'m> Batch<'m> {
         if keep.is_empty() {
             self.running = None;
         } else if let Some(cache) = self.running.as_mut() {
-            cache.filter(&keep)?;
+            // In place where the rows can stay (the host's planes): a leaving row's place
+            // is taken by the last row, the only one copied.
+            cache.retain(&keep)?;
         }
-        let mut i = 0;
-        self.rows.retain(|_| {
-            i += 1;
-            !gone.contains(&(i - 1))
-        });
+        self.times.rows += started.elapsed();
+        self.times.row_moves += 1;
+        let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows)
+            .into_iter()
+            .map(Some)
+            .collect();
+        self.rows = keep.iter().filter_map(|&r| rows[r].take()).collect();
         Ok(())
     }
+}
+
+/// The rows of `n` that remain when rows `gone` leave, in the order they then take: each
+/// stays at its index, except that a leaving row's index below the remaining count is
+/// taken by one of the last rows (the least moved in place; see [`KvCache::retain`]).
+fn gaps_filled_from_the_end(n: usize, gone: &[usize]) -> Vec<usize> {
+    let kept: Vec<usize> = (0..n).filter(|i| !gone.contains(i)).collect();
+    let len = kept.len();
+    let mut tail = kept.iter().copied().filter(|&r| r >= len).rev();
+    (0..len)
+        .filter_map(|i| {
+            if gone.contains(&i) {
+                tail.next()
+            } else {
+                Some(i)
+            }
+        })
+        .collect()
 }
 
 impl<'m> Batch<'m> {
@@ -1328,7 +1369,28 @@ pub fn generate_batch_greedy(
 
 #[cfg(test)]
 mod tests {
-    use super::TokenLogprobs;
+    use super::{gaps_filled_from_the_end, TokenLogprobs};
+
+    #[test]
+    fn leaving_rows_gaps_are_filled_from_the_end() {
+        for n in 0..7usize {
+            // Every subset of n rows leaving.
+            for mask in 0..(1u32 << n) {
+                let gone: Vec<usize> = (0..n).filter(|&r| mask & (1 << r) != 0).collect();
+                let keep = gaps_filled_from_the_end(n, &gone);
+                let mut sorted = keep.clone();
+                sorted.sort_unstable();
+                let kept: Vec<usize> = (0..n).filter(|r| !gone.contains(r)).collect();
+                assert_eq!(sorted, kept, "n {n}, gone {gone:?}: {keep:?}");
+                for (i, &r) in keep.iter().enumerate() {
+                    // A staying row below the count keeps its index; one moved comes from
+                    // past the count.
+                    assert!(r == i || r >= keep.len(), "n {n}, gone {gone:?}: {keep:?}");
+                }
+                assert!(tessera_kv::planes::keeps_in_place(&keep, n));
+            }
+        }
+    }
 
     #[test]
     fn logprobs_are_the_log_softmax_and_top_is_sorted() {

@@ -187,6 +187,15 @@ fn bench(g: &Geometry, depth: usize, runs: usize) {
     let isa = decoding.layers()[0].isa();
     let keep15: Vec<usize> = (0..ROWS).filter(|&r| r != 5).collect();
     let keep8: Vec<usize> = (0..ROWS).step_by(2).collect();
+    // Row 5 leaves a running batch: the last row takes its place (as the server's does).
+    let gap_filled: Vec<usize> = (0..ROWS - 1)
+        .map(|r| if r == 5 { ROWS - 1 } else { r })
+        .collect();
+    let after_a_leave = || {
+        let mut c = rebuild();
+        c.retain(&gap_filled).unwrap();
+        (c, merged.extract(5).unwrap())
+    };
     let pads: Vec<usize> = (0..ROWS).collect();
     // A round of 4 drafted positions per row (appended untimed), rolled back keeping 1.
     let drafts = (
@@ -242,6 +251,24 @@ fn bench(g: &Geometry, depth: usize, runs: usize) {
             Box::new(|| {
                 time_ms(rebuild(), |mut c| {
                     c.filter(&keep8).unwrap();
+                    c
+                })
+            }),
+        ),
+        (
+            "retain 15 of 16 in place (the last row fills the gap)",
+            Box::new(|| {
+                time_ms(rebuild(), |mut c| {
+                    c.retain(&gap_filled).unwrap();
+                    c
+                })
+            }),
+        ),
+        (
+            "extend of those 15 rows by one in place",
+            Box::new(|| {
+                time_ms(after_a_leave(), |(mut c, one)| {
+                    c.extend(one).unwrap();
                     c
                 })
             }),

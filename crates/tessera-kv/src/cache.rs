@@ -280,10 +280,50 @@ impl KvCache {
 
     /// Appends the rows of `other` after this cache's. Refused (this cache unchanged) where
     /// [`KvCache::merge`] would be.
+    ///
+    /// Where `other`'s rows end no later than these and every layer's planes move rows in
+    /// place (the host's), this cache's rows stay where they are and only `other`'s are
+    /// copied: a request joining a running batch costs its own row, not the batch's.
     pub fn extend(&mut self, mut other: KvCache) -> Result<(), KvError> {
         Self::check_mergeable(&[&*self, &other])?;
         Self::convert_stages(&mut [&mut *self, &mut other])?;
-        *self = Self::merged(&[&*self, &other])?;
+        let in_place = self.layers.iter().all(LayerCache::moves_rows_in_place);
+        if !in_place || self.end() < other.end() {
+            *self = Self::merged(&[&*self, &other])?;
+            return Ok(());
+        }
+        let shift = self.end() - other.end();
+        for (mine, theirs) in self.layers.iter_mut().zip(&other.layers) {
+            mine.append_rows(theirs, shift)?;
+        }
+        self.pads.extend(other.left_pad().iter().map(|p| p + shift));
+        Ok(())
+    }
+
+    /// Keeps rows `keep`, in that order, as [`KvCache::filter`] does, but where the rows can
+    /// stay where they lie it leaves them there: when no kept row moves to a higher index
+    /// ([`crate::planes::keeps_in_place`]: an increasing `keep`, or one whose gaps are filled
+    /// from the end), every layer's planes move rows in place (the host's), and the padding
+    /// the kept rows share is less than half the batch's width, only the rows whose index
+    /// changes are copied and every row's padding stays as it is. Otherwise it is
+    /// [`KvCache::filter`], which slices the shared padding off. A request leaving a running
+    /// batch then costs one row (its gap filled by the last), not the batch; the shared
+    /// padding (memory for positions no row holds) is sliced once it reaches half the width.
+    pub fn retain(&mut self, keep: &[usize]) -> Result<(), KvError> {
+        let pads = self.left_pad().to_vec();
+        let shared = keep.iter().filter_map(|r| pads.get(*r)).min().copied();
+        let in_place = crate::planes::keeps_in_place(keep, pads.len())
+            && self.prefill.is_none()
+            && self.layers.iter().all(LayerCache::moves_rows_in_place)
+            && self.layers.iter().all(|l| l.rows().round().is_none())
+            && shared.is_some_and(|s| 2 * s < self.end().max(1));
+        if !in_place {
+            return self.filter(keep);
+        }
+        for layer in &mut self.layers {
+            layer.retain_rows(keep)?;
+        }
+        self.pads = keep.iter().map(|&r| pads[r]).collect();
         Ok(())
     }
 

@@ -4,6 +4,7 @@
 //! drafter reads.
 
 use crate::layer::{AttentionCache, DonorRows, LayerCache};
+use crate::planes::Planes;
 use crate::retention::Slots;
 use crate::rows::Rows;
 use crate::QueryMoments;
@@ -68,30 +69,15 @@ impl LayerCache {
         }
         let rows = sources.len();
         let pads: Vec<usize> = sources.iter().map(|s| s.2).collect();
-        let ends: Vec<usize> = sources
-            .iter()
-            .map(|(c, r, pad)| pad + c.rows.offsets()[*r])
-            .collect();
-        let held: Vec<usize> = sources
-            .iter()
-            .map(|(c, r, pad)| {
-                c.rows.held_from()[*r].max(c.rows.left_pad()[*r]) - c.rows.left_pad()[*r] + pad
-            })
-            .collect();
+        let (ends, held): (Vec<usize>, Vec<usize>) =
+            sources.iter().map(|&(c, r, pad)| c.placed(r, pad)).unzip();
         let width = ends.iter().max().copied().unwrap_or(0);
         let mut planes = model.planes.empty(rows)?;
         // Room for the next append too: a width on a growth step would otherwise regrow (and
         // copy) the whole layer at the first decode after a merge.
         planes.reserve(model.slots.capacity(width + 1), model.slots.ring)?;
-        for (i, (src, r, pad)) in sources.iter().enumerate() {
-            planes.adopt_row(src.planes.as_ref(), *r, i)?;
-            let src_pad = src.rows.left_pad()[*r];
-            let lo = src.rows.held_from()[*r].max(src_pad);
-            let end = src.rows.end_of(*r).max(lo);
-            let shift = *pad as isize - src_pad as isize;
-            for run in src.slots.runs_between(lo..end, model.slots, shift) {
-                planes.copy_from(src.planes.as_ref(), *r, run.slot, i, run.dst, run.len)?;
-            }
+        for (i, &(src, r, pad)) in sources.iter().enumerate() {
+            src.copy_row(r, pad, planes.as_mut(), model.slots, i)?;
         }
         Ok(LayerCache {
             layer: model.layer,
@@ -110,6 +96,85 @@ impl LayerCache {
             isa: model.isa,
             queries: QueryMoments::gather(sources.iter().map(|(src, r, _)| (&src.queries, *r))),
         })
+    }
+
+    /// Where row `r` lands with padding `pad`: its end and its oldest held position.
+    fn placed(&self, r: usize, pad: usize) -> (usize, usize) {
+        let own = self.rows.left_pad()[r];
+        let held = self.rows.held_from()[r].max(own) - own + pad;
+        (pad + self.rows.offsets()[r], held)
+    }
+
+    /// Copies row `r` into row `dst` of `planes` (laid out by `slots`) with padding `pad`:
+    /// its codec state and its held positions as stored, each moved by the change of its
+    /// padding.
+    fn copy_row(
+        &self,
+        r: usize,
+        pad: usize,
+        planes: &mut dyn Planes,
+        slots: Slots,
+        dst: usize,
+    ) -> Result<(), KvError> {
+        planes.adopt_row(self.planes.as_ref(), r, dst)?;
+        let own = self.rows.left_pad()[r];
+        let lo = self.rows.held_from()[r].max(own);
+        let end = self.rows.end_of(r).max(lo);
+        let shift = pad as isize - own as isize;
+        for run in self.slots.runs_between(lo..end, slots, shift) {
+            planes.copy_from(self.planes.as_ref(), r, run.slot, dst, run.dst, run.len)?;
+        }
+        Ok(())
+    }
+
+    /// Whether this layer's planes add and remove rows where they lie
+    /// ([`Planes::resizes_rows_in_place`]).
+    pub(crate) fn moves_rows_in_place(&self) -> bool {
+        self.planes.resizes_rows_in_place()
+    }
+
+    /// Appends the rows of `other` after this layer's, their padding grown by `shift`, in
+    /// place: this layer's rows stay as they are (the caller checked that `other`'s rows,
+    /// so padded, end no later than these, and that the planes move rows in place).
+    pub(crate) fn append_rows(&mut self, other: &LayerCache, shift: usize) -> Result<(), KvError> {
+        self.check_compatible(other, false)?;
+        let (first, added) = (self.rows.batch(), other.rows.batch());
+        let kept: Vec<usize> = (0..first).collect();
+        self.planes.resize_rows(&kept, added)?;
+        let width = self.rows.width().max(other.rows.width() + shift);
+        self.planes
+            .reserve(self.slots.capacity(width + 1), self.slots.ring)?;
+        for r in 0..added {
+            let pad = other.rows.left_pad()[r] + shift;
+            other.copy_row(r, pad, self.planes.as_mut(), self.slots, first + r)?;
+            let (end, held) = other.placed(r, pad);
+            self.rows.push(pad, end, held);
+        }
+        self.queries = QueryMoments::gather(
+            (0..first)
+                .map(|r| (&self.queries, r))
+                .chain((0..added).map(|r| (&other.queries, r))),
+        );
+        self.minimum_reusable_offset = self
+            .minimum_reusable_offset
+            .max(other.minimum_reusable_offset);
+        self.bound |= other.bound;
+        Ok(())
+    }
+
+    /// Keeps rows `keep` ([`crate::planes::keeps_in_place`]) in place, their padding as it
+    /// is: only rows whose index changes are copied.
+    pub(crate) fn retain_rows(&mut self, keep: &[usize]) -> Result<(), KvError> {
+        if self.rows.round().is_some() {
+            return Err(KvError::Rows(format!(
+                "layer {}: rows cannot move during a speculative round",
+                self.layer
+            )));
+        }
+        self.planes.resize_rows(keep, 0)?;
+        self.rows.retain(keep);
+        self.queries = QueryMoments::gather(keep.iter().map(|&r| (&self.queries, r)));
+        Ok(())
     }
 
     /// Each row's live keys and values in temporal order, `(1, kv_heads, len, dim)` f32 —

@@ -102,6 +102,21 @@ impl Rows {
         self.ends = ends;
     }
 
+    /// Keeps rows `keep`, in that order (checked by the caller), as they are.
+    pub(crate) fn retain(&mut self, keep: &[usize]) {
+        let pick = |v: &[usize]| keep.iter().map(|&r| v[r]).collect::<Vec<_>>();
+        self.left_pad = pick(&self.left_pad);
+        self.ends = pick(&self.ends);
+        self.held_from = pick(&self.held_from);
+    }
+
+    /// Adds a row after the others: its padding, end and oldest held position.
+    pub(crate) fn push(&mut self, pad: usize, end: usize, held_from: usize) {
+        self.left_pad.push(pad);
+        self.ends.push(end);
+        self.held_from.push(held_from);
+    }
+
     pub(crate) fn begin_round(&mut self) -> Result<(), KvError> {
         if self.round.is_some() {
             return Err(KvError::Rows("a speculative round is already open".into()));

@@ -375,6 +375,14 @@ enum Op {
     Filter {
         picks: Vec<usize>,
     },
+    /// `retain` of the rows not in `gone` (each `% 8`), in order, or with `fill` each gap
+    /// below the kept count taken by one of the last rows (as a server's batch does): in
+    /// place (padding as it is) where the rows can stay and the shared padding is under
+    /// half the width, otherwise as `filter`.
+    Retain {
+        gone: Vec<usize>,
+        fill: bool,
+    },
     /// `extract(row % rows)` (7: out of range), replacing the batch or extended onto it.
     Extract {
         row: usize,
@@ -409,6 +417,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             .prop_map(|(pads, extra, how)| Op::New { pads, extra, how }),
         3 => (1usize..=7).prop_map(|n| Op::Append { n }),
         1 => prop::collection::vec(0usize..8, 0..4).prop_map(|picks| Op::Filter { picks }),
+        2 => (prop::collection::vec(0usize..8, 0..4), any::<bool>())
+            .prop_map(|(gone, fill)| Op::Retain { gone, fill }),
         1 => (0usize..8, any::<bool>()).prop_map(|(row, replace)| Op::Extract { row, replace }),
         1 => (per_row(5), prop::bool::weighted(0.15))
             .prop_map(|(pads, wrong_len)| Op::Align { pads, wrong_len }),
@@ -491,6 +501,44 @@ fn run_op(batch: &mut Batch, cache: &mut KvCache, op: &Op, step: usize) {
                         .map(|&r| {
                             let mut row = b.rows[r].clone();
                             row.pad -= shared;
+                            row
+                        })
+                        .collect();
+                },
+            );
+        }
+        Op::Retain { gone, fill } => {
+            let kept: Vec<usize> = (0..rows).filter(|r| !gone.contains(r)).collect();
+            let keep: Vec<usize> = if *fill {
+                let mut tail = kept.iter().copied().filter(|&r| r >= kept.len());
+                (0..kept.len())
+                    .map(|i| {
+                        if kept.contains(&i) {
+                            i
+                        } else {
+                            tail.next().unwrap()
+                        }
+                    })
+                    .collect()
+            } else {
+                kept
+            };
+            let verdict = keep.is_empty().then_some(Refusal::Rows);
+            let end = batch.end();
+            batch.expect(
+                cache,
+                &what,
+                verdict,
+                |c| c.retain(&keep),
+                |b| {
+                    let shared = keep.iter().map(|&r| b.rows[r].pad).min().unwrap();
+                    // Every keep made here has no row placed above its index.
+                    let sliced = if 2 * shared < end.max(1) { 0 } else { shared };
+                    b.rows = keep
+                        .iter()
+                        .map(|&r| {
+                            let mut row = b.rows[r].clone();
+                            row.pad -= sliced;
                             row
                         })
                         .collect();

@@ -836,7 +836,10 @@ impl Decoder {
             device: device.clone(),
             isa: options.isa.capped(),
             fingerprint: g.fingerprint(),
-            graphs: Mutex::new(graphed::StepGraphs::new(options.step_graphs)),
+            graphs: Mutex::new(graphed::StepGraphs::new(
+                options.step_graphs,
+                options.step_graph_rows,
+            )),
         })
     }
 
@@ -995,14 +998,14 @@ impl Decoder {
             }));
         }
         cache.check_append(n)?;
-        let graphs = self
+        let graphed = self
             .graphs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .enabled;
+            .serves(b);
         let backend = crate::step_graph::backend(&self.device);
-        if let (1, true, Some(backend)) = (n, graphs, backend) {
-            if b <= graphed::MAX_ROWS {
+        if let (1, true, Some(backend)) = (n, graphed, backend) {
+            {
                 return self.forward_graphed(backend, input, cache, mode);
             }
         }

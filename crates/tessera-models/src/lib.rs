@@ -62,6 +62,12 @@ pub struct LoadOptions {
     /// ([`step_graph`]): everything but the KV cache's work captured once per row count and
     /// replayed; off, every step launches each kernel itself (to compare the two).
     pub step_graphs: bool,
+    /// The most rows a graphed decode step has; steps of more rows launch eagerly. One by
+    /// default: with graphs of several row counts alive (a batch whose rows join one step
+    /// apart), the H200 hit an illegal address within 8 to 16 captures, not yet run down
+    /// (`bench/device-run.sh graphrows` reproduces it); batch steps of more rows are mostly
+    /// GPU-bound anyway.
+    pub step_graph_rows: usize,
 }
 
 impl Default for LoadOptions {
@@ -73,6 +79,7 @@ impl Default for LoadOptions {
             isa: Isa::detected(),
             device_weights: true,
             step_graphs: true,
+            step_graph_rows: 1,
         }
     }
 }

@@ -323,6 +323,12 @@ impl Metrics {
                  close to the decode time means the steps are bound by the host.",
                 t.decode_submit.as_secs_f64(),
             ),
+            (
+                "tessera_row_moves_seconds_total",
+                "Time spent moving cache rows: prompts' rows joining the running batch, finished \
+                 rows filtered out of it.",
+                t.rows.as_secs_f64(),
+            ),
         ] {
             metric(name, "counter", help, &[(String::new(), v.to_string())]);
         }
@@ -347,6 +353,11 @@ impl Metrics {
                 "Running requests summed over the decode steps (divided by the steps: the mean \
                  batch).",
                 t.decode_rows,
+            ),
+            (
+                "tessera_row_moves_total",
+                "Joins and leaves of the running batch (each a merge or a filter of its rows).",
+                t.row_moves,
             ),
         ] {
             metric(name, "counter", help, &one(v as u64));

@@ -101,6 +101,18 @@ impl ChannelPrep {
         }
     }
 
+    /// Rows of `heads` blocks kept (`keep`, strictly increasing, moved down) and `added`
+    /// identity rows after them ([`crate::planes::Planes::resize_rows`]).
+    pub fn resize_rows(&mut self, heads: usize, keep: &[usize], added: usize) {
+        let span = heads * self.dim;
+        if let Some(m) = self.mean.as_mut() {
+            crate::planes::resize_rows(m, span, keep, added, 0.0);
+        }
+        if let Some(s) = self.scale.as_mut() {
+            crate::planes::resize_rows(s, span, keep, added, 1.0);
+        }
+    }
+
     /// Replaces the tables (`blocks × dim` each, empty for none), as a state gave them.
     pub fn load(&mut self, mean: Vec<f32>, scale: Vec<f32>) -> Result<(), String> {
         let want = |t: &Option<Vec<f32>>| t.as_ref().map_or(0, Vec::len);

@@ -260,6 +260,22 @@ impl Planes for AffinePlanes {
         )))
     }
 
+    fn resizes_rows_in_place(&self) -> bool {
+        true
+    }
+
+    fn resize_rows(&mut self, keep: &[usize], added: usize) -> Result<(), KvError> {
+        super::check_keep(keep, self.rows)?;
+        let per_row = self.heads * self.capacity;
+        for p in [&mut self.keys, &mut self.values] {
+            let (w, g) = (p.words, p.groups * 2);
+            super::resize_rows(&mut p.codes, per_row * w, keep, added, 0);
+            super::resize_rows(&mut p.params, per_row * g, keep, added, f16::ZERO);
+        }
+        self.rows = keep.len() + added;
+        Ok(())
+    }
+
     fn reserve(&mut self, slots: usize, limit: usize) -> Result<(), KvError> {
         if slots <= self.capacity {
             return Ok(());

@@ -152,6 +152,21 @@ pub trait Planes: std::fmt::Debug + Send + Sync + Any {
         let _ = (src, src_row, dst_row);
         Ok(())
     }
+    /// Whether [`Planes::resize_rows`] moves rows where they lie (the host's planes); where
+    /// not, row operations build new planes.
+    fn resizes_rows_in_place(&self) -> bool {
+        false
+    }
+    /// Keeps rows `keep` ([`keeps_in_place`]), each moved to its index in `keep` with every
+    /// slot as stored, then adds `added` empty rows after them, in place: rows that stay at
+    /// their index are not touched. Only where [`Planes::resizes_rows_in_place`].
+    fn resize_rows(&mut self, keep: &[usize], added: usize) -> Result<(), KvError> {
+        let _ = (keep, added);
+        Err(KvError::Rows(format!(
+            "{} planes here do not move rows in place",
+            self.codec()
+        )))
+    }
     /// Copies `len` stored slots of row `src_row` of `src` (same codec, same device) from
     /// `src_slot` into row `dst_row` from `dst_slot`: the stored codes as they are, never
     /// requantized.
@@ -256,6 +271,53 @@ pub(crate) fn check_span(
     Ok(())
 }
 
+/// Whether `keep` can be moved in place: distinct rows of `rows`, none placed above where
+/// it lies (`keep[i] >= i`), so that moving them in index order reads every row before
+/// anything overwrites it. A strictly increasing `keep` is such, and so is one whose gaps
+/// are filled from the end.
+pub fn keeps_in_place(keep: &[usize], rows: usize) -> bool {
+    let mut seen = vec![false; rows];
+    keep.iter().enumerate().all(|(i, &r)| {
+        let fresh = r < rows && r >= i && !seen[r];
+        if fresh {
+            seen[r] = true;
+        }
+        fresh
+    })
+}
+
+/// Refuses a `keep` that [`keeps_in_place`] does not take.
+pub(crate) fn check_keep(keep: &[usize], rows: usize) -> Result<(), KvError> {
+    if !keeps_in_place(keep, rows) {
+        return Err(KvError::Rows(format!(
+            "rows {keep:?} of {rows} kept in place (distinct, each at or after its place)"
+        )));
+    }
+    Ok(())
+}
+
+/// [`Planes::resize_rows`] on one buffer of `per_row` elements a row: kept rows moved
+/// (`keep` checked by [`check_keep`]), then `added` rows of `fill`. Growing takes the
+/// vector's amortized reallocation, so a row joining a batch copies the others only when
+/// the buffer runs out of room.
+pub(crate) fn resize_rows<T: Copy>(
+    buf: &mut Vec<T>,
+    per_row: usize,
+    keep: &[usize],
+    added: usize,
+    fill: T,
+) {
+    for (to, &from) in keep.iter().enumerate() {
+        if from != to {
+            // from > to: the destination ends where the source starts at the latest, and
+            // row `to` is read by no later move (it is kept, if at all, at its own place).
+            buf.copy_within(from * per_row..(from + 1) * per_row, to * per_row);
+        }
+    }
+    buf.truncate(keep.len() * per_row);
+    buf.resize((keep.len() + added) * per_row, fill);
+}
+
 /// Copies `len` slots of `per_slot` elements from slot `from` of `src` to slot `to` of `dst`.
 pub(crate) fn copy_slots<T: Copy>(
     dst: &mut [T],
@@ -301,4 +363,33 @@ pub(crate) fn from_bytes<T: bytemuck::Pod>(b: &[u8], what: &str) -> Result<Vec<T
         return Err(KvError::BadState(format!("{what}: {} bytes", b.len())));
     }
     Ok(bytemuck::pod_collect_to_vec(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{keeps_in_place, resize_rows};
+
+    #[test]
+    fn rows_kept_in_place_move_down_only_and_read_before_written() {
+        assert!(keeps_in_place(&[0, 1, 2], 3));
+        assert!(keeps_in_place(&[0, 2], 3));
+        assert!(keeps_in_place(&[0, 4, 2, 3], 5));
+        assert!(keeps_in_place(&[], 3));
+        assert!(!keeps_in_place(&[1, 0], 2), "row 0 placed above itself");
+        assert!(!keeps_in_place(&[2, 2], 3), "a row twice");
+        assert!(!keeps_in_place(&[0, 3], 3), "a row out of range");
+        // Rows of three elements, row r holding 10r, 10r+1, 10r+2.
+        let rows = |r: &[usize]| -> Vec<u32> {
+            r.iter()
+                .flat_map(|&r| (0..3).map(move |i| 10 * r as u32 + i))
+                .collect()
+        };
+        for (keep, added) in [(vec![0, 4, 2, 3], 2), (vec![1, 3], 0), (vec![], 1)] {
+            let mut buf = rows(&[0, 1, 2, 3, 4]);
+            resize_rows(&mut buf, 3, &keep, added, 99);
+            let mut want = rows(&keep);
+            want.extend(std::iter::repeat_n(99, 3 * added));
+            assert_eq!(buf, want, "keep {keep:?}, added {added}");
+        }
+    }
 }

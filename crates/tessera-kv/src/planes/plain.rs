@@ -61,6 +61,15 @@ impl Data {
         }
     }
 
+    /// [`super::resize_rows`] of rows of `per_row` elements.
+    fn resize_rows(&mut self, per_row: usize, keep: &[usize], added: usize) {
+        match self {
+            Data::Bf16(x) => super::resize_rows(x, per_row, keep, added, bf16::ZERO),
+            Data::F16(x) => super::resize_rows(x, per_row, keep, added, f16::ZERO),
+            Data::F32(x) => super::resize_rows(x, per_row, keep, added, 0.0),
+        }
+    }
+
     /// Copies `len` elements from `src` at `from` into `self` at `to`.
     fn copy(&mut self, src: &Data, from: usize, to: usize, len: usize) {
         match (self, src) {
@@ -178,6 +187,20 @@ impl Planes for PlainPlanes {
                 ..self.geometry
             },
         )))
+    }
+
+    fn resizes_rows_in_place(&self) -> bool {
+        true
+    }
+
+    fn resize_rows(&mut self, keep: &[usize], added: usize) -> Result<(), KvError> {
+        let g = self.geometry;
+        super::check_keep(keep, g.rows)?;
+        let per_row = g.heads * self.capacity;
+        self.keys.resize_rows(per_row * g.head_dim, keep, added);
+        self.values.resize_rows(per_row * g.value_dim, keep, added);
+        self.geometry.rows = keep.len() + added;
+        Ok(())
     }
 
     fn reserve(&mut self, slots: usize, limit: usize) -> Result<(), KvError> {

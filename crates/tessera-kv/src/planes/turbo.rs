@@ -410,6 +410,22 @@ impl Planes for TurboPlanes {
         }))
     }
 
+    fn resizes_rows_in_place(&self) -> bool {
+        true
+    }
+
+    fn resize_rows(&mut self, keep: &[usize], added: usize) -> Result<(), KvError> {
+        super::check_keep(keep, self.rows)?;
+        let per_row = self.heads * self.capacity;
+        for p in [&mut self.keys, &mut self.values] {
+            super::resize_rows(&mut p.codes, per_row * p.words, keep, added, 0);
+            super::resize_rows(&mut p.norms, per_row, keep, added, f16::ZERO);
+        }
+        self.key_prep.resize_rows(self.heads, keep, added);
+        self.rows = keep.len() + added;
+        Ok(())
+    }
+
     fn reserve(&mut self, slots: usize, limit: usize) -> Result<(), KvError> {
         if slots <= self.capacity {
             return Ok(());

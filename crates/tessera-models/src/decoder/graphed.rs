@@ -12,13 +12,6 @@ use tessera_kv::KvCache;
 /// Row counts whose graphs are kept (the most recently used); each holds its own memory.
 const KEPT: usize = 4;
 
-/// The most rows a graphed step has. With graphs of several row counts alive (a batch
-/// whose rows join one step apart), the H200 hit an illegal address within 8 to 16
-/// captures, not yet run down; one row's graphs held up over every run. Batch steps of
-/// more rows are GPU-bound anyway (16 rows at depth 32k: 4.6 ms of a 9.6 ms step on the
-/// host).
-pub(super) const MAX_ROWS: usize = 1;
-
 /// A row count's graphs, or the record that capturing them failed (its steps then run
 /// eagerly).
 enum Captured {
@@ -29,15 +22,23 @@ enum Captured {
 /// The graphs of the decoder's decode steps, by row count.
 pub(super) struct StepGraphs {
     pub(super) enabled: bool,
+    /// The most rows a graphed step has ([`crate::LoadOptions::step_graph_rows`]).
+    max_rows: usize,
     by_rows: Vec<(usize, Captured)>,
 }
 
 impl StepGraphs {
-    pub(super) fn new(enabled: bool) -> Self {
+    pub(super) fn new(enabled: bool, max_rows: usize) -> Self {
         StepGraphs {
             enabled,
+            max_rows,
             by_rows: Vec::new(),
         }
+    }
+
+    /// Whether a decode step of `rows` rows runs through graphs.
+    pub(super) fn serves(&self, rows: usize) -> bool {
+        self.enabled && rows <= self.max_rows
     }
 
     /// Drops every captured graph (a later step captures again).
