@@ -8,8 +8,8 @@
 #   eval    perplexity of a synthetic gemma3-270m, --device cpu vs cuda, bf16/affine:4/affine:8
 #   e2e     tessera bench --device cuda, synthetic gemma3-270m, depth 32k, batch 1 and 16
 #   e2eglobal  synthetic gemma3-270m, batch 16, depth 32k, affine:4 on the global layers only
-#   profile the same with TESSERA_KV_PROFILE=1 (synchronized cache write / read times)
-#   profile8b  the synthetic Llama-3-8B, batch 1, depth 32k, with TESSERA_KV_PROFILE=1
+#   profile the same with --kv-profile (synchronized cache write / read times)
+#   profile8b  the synthetic Llama-3-8B, batch 1, depth 32k, with --kv-profile
 #   e2e12b  the same for a synthetic gemma3-12b, batch 1
 #   e2e8b   synthetic Llama-3-8B (every layer global): batch 1 and 16 at 32k, batch 1 at 128k
 #           (E2E8B_RUNS: "BATCH:DEPTH ..." instead; E2E8B_GEN tokens, 32; E2E8B_PROMPT / E2E8B_REPEAT:
@@ -106,13 +106,13 @@ for step in "$@"; do
     profile)
       log profile; synth gemma3-270m
       for kv in bf16 affine:4:global; do
-        TESSERA_KV_PROFILE=1 $T bench --model /tmp/gemma3-270m.gguf --device cuda --kv $kv --depth 32768 \
+        $T bench --kv-profile --model /tmp/gemma3-270m.gguf --device cuda --kv $kv --depth 32768 \
           --gen-tokens 256 --prompt-tokens 512 --repeat 1 --batch 16 2>&1 | tee -a $OUT/profile.txt
       done ;;
     profile8b)
       log profile8b; [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
       for kv in bf16 affine:4; do
-        TESSERA_KV_PROFILE=1 $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth 32768 \
+        $T bench --kv-profile --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth 32768 \
           --gen-tokens 160 --prompt-tokens 512 --repeat 1 --batch 1 2>&1 | tee -a $OUT/profile-8b.txt
       done ;;
     e2e12b)
@@ -327,8 +327,8 @@ for _ in range(600):
       log variants
       $B/kv-read-bench copy time +affine +n32768 2>&1 | tee $OUT/variants.txt
       for defs in ${VARIANT_DEFINES:-}; do
-        echo "-- TESSERA_KERNEL_DEFINES=${defs//:/ }" | tee -a $OUT/variants.txt
-        TESSERA_KERNEL_DEFINES="#define ${defs//:/ }" $B/kv-read-bench time +Folded +n32768 2>&1 | tee -a $OUT/variants.txt
+        echo "-- --defines=#define ${defs//:/ }" | tee -a $OUT/variants.txt
+        $B/kv-read-bench time +Folded +n32768 "--defines=#define ${defs//:/ }" 2>&1 | tee -a $OUT/variants.txt
       done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

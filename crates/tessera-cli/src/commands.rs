@@ -52,8 +52,9 @@ fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
     with_progress(|p| store::resolve_model(arg, p))
 }
 
-/// The device `--device` names; for CUDA, with the KV backend installed.
-pub fn device(name: &str) -> Result<Device> {
+/// The device `--device` names; for CUDA, with the KV backend installed (timing its
+/// writes and reads with `kv_profile`).
+pub fn device(name: &str, kv_profile: bool) -> Result<Device> {
     let ordinal = match name.split_once(':') {
         None if name == "cpu" => return Ok(Device::Cpu),
         None if name == "cuda" => 0,
@@ -62,12 +63,12 @@ pub fn device(name: &str) -> Result<Device> {
             .with_context(|| format!("--device {name}: `{n}` is not a GPU number"))?,
         _ => bail!("--device {name}: expected cpu, cuda or cuda:N"),
     };
-    cuda_device(ordinal)
+    cuda_device(ordinal, kv_profile)
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_device(ordinal: usize) -> Result<Device> {
-    tessera_kernels::backend::install();
+fn cuda_device(ordinal: usize, kv_profile: bool) -> Result<Device> {
+    tessera_kernels::backend::install_with(kv_profile);
     tessera_kernels::weights::install();
     tessera_kernels::graphs::install();
     let device =
@@ -85,14 +86,14 @@ fn cuda_device(ordinal: usize) -> Result<Device> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_device(_ordinal: usize) -> Result<Device> {
+fn cuda_device(_ordinal: usize, _kv_profile: bool) -> Result<Device> {
     bail!(
         "this tessera was built without CUDA; rebuild with `cargo build --release --features cuda`"
     )
 }
 
 pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
-    let device = device(&args.device)?;
+    let device = device(&args.device, args.kv_profile)?;
     let path = model_path(args)?;
     let options = LoadOptions {
         // The Q8_0 re-encoding serves the CPU's repacked matmul only.

@@ -56,6 +56,10 @@ pub struct ModelArgs {
     /// launch every kernel (each row count captures its own graphs, the 4 last used kept).
     #[arg(long, default_value_t = 1)]
     pub step_graph_rows: usize,
+    /// On a GPU, synchronize around each KV cache write and decode read and print their
+    /// mean times to stderr every 4096 calls (a diagnostic: it slows the run).
+    #[arg(long)]
+    pub kv_profile: bool,
     /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512`,
     /// `avx512vnni` or `amx` (AVX-512 VNNI plus the AMX-INT8 tiles the OS grants; default:
     /// the highest this CPU runs), e.g. to measure what an AVX2-only CPU gets.

@@ -23,15 +23,8 @@ use candle_core::{DType, Device, Storage, Tensor};
 use std::any::Any;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
-
-/// `TESSERA_KV_PROFILE=1`: synchronize around each cache write and decode read and print
-/// their mean wall times to stderr every 4096 calls (a diagnostic; it slows the run).
-fn profiling() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TESSERA_KV_PROFILE").is_ok_and(|v| v == "1"))
-}
 
 /// (calls, nanoseconds) of bf16 writes, quantized (affine, turbo) writes, bf16 reads,
 /// quantized reads.
@@ -42,8 +35,10 @@ static PROFILE: [(AtomicU64, AtomicU64); 4] = [
     (AtomicU64::new(0), AtomicU64::new(0)),
 ];
 
+/// `f`, timed when the backend profiles ([`install_with`]): synchronized around, its mean
+/// wall times per kind printed to stderr every 4096 calls.
 fn timed<R>(kernels: &Kernels, op: usize, f: impl FnOnce() -> R) -> R {
-    if !profiling() {
+    if !kernels.profile {
         return f();
     }
     // A failed synchronize surfaces again at the next launch; the timing just goes on.
@@ -92,16 +87,26 @@ struct Kernels {
     /// The decode reads' partial states, shared by every layer (the reads run in stream
     /// order; the lock is held from a read's first launch to its last).
     scratch: Mutex<Option<Scratch>>,
+    /// Whether writes and decode reads are timed ([`CudaBackend::profiled`]).
+    profile: bool,
 }
 
 /// Installs the CUDA backend into tessera-kv (once per process).
 pub fn install() {
-    tessera_kv::planes::install(Box::new(CudaBackend::new()));
+    install_with(false);
+}
+
+/// [`install`], with `profile` timing every cache write and decode read (synchronized
+/// around each, the mean times printed to stderr every 4096 calls: a diagnostic that slows
+/// the run).
+pub fn install_with(profile: bool) {
+    tessera_kv::planes::install(Box::new(CudaBackend::new().profiled(profile)));
 }
 
 pub struct CudaBackend {
     /// Built on first use, for the first CUDA device seen.
     kernels: Mutex<Option<Arc<Kernels>>>,
+    profile: bool,
 }
 
 impl Default for CudaBackend {
@@ -118,7 +123,14 @@ impl CudaBackend {
     pub fn new() -> Self {
         CudaBackend {
             kernels: Mutex::new(None),
+            profile: false,
         }
+    }
+
+    /// The backend timing its writes and decode reads where `profile` ([`install_with`]).
+    pub fn profiled(mut self, profile: bool) -> Self {
+        self.profile = profile;
+        self
     }
 
     fn kernels(&self, device: &CudaDevice) -> anyhow::Result<Arc<Kernels>> {
@@ -141,6 +153,7 @@ impl CudaBackend {
             turbo_decode: module.load_function("turbo_decode_rows")?,
             copy: module.load_function("copy_blocks")?,
             scratch: Mutex::new(None),
+            profile: self.profile,
         });
         *slot = Some(k.clone());
         Ok(k)

@@ -249,6 +249,8 @@ pub struct DecodeRead {
     compiled: Mutex<HashMap<(GpuCodec, usize, usize), Kernels>>,
     fill: CudaFunction,
     sms: usize,
+    /// `#define` lines added to every configuration ([`DecodeRead::with_defines`]).
+    extra_defines: String,
 }
 
 fn compile(ctx: &Arc<CudaContext>, defines: &str) -> Result<Arc<cudarc::driver::CudaModule>> {
@@ -292,7 +294,15 @@ impl DecodeRead {
             compiled: Mutex::new(HashMap::new()),
             fill,
             sms,
+            extra_defines: String::new(),
         })
+    }
+
+    /// The read with `defines` (`#define` lines) added to every configuration it compiles:
+    /// the kernels' build choices, for experiments (kv-read-bench's variants).
+    pub fn with_defines(mut self, defines: impl Into<String>) -> Self {
+        self.extra_defines = defines.into();
+        self
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -307,8 +317,7 @@ impl DecodeRead {
         if let Some(k) = map.get(&(codec, d, g)) {
             return Ok(k.clone());
         }
-        // TESSERA_KERNEL_DEFINES: extra #define lines, for experiments on the device.
-        let extra = std::env::var("TESSERA_KERNEL_DEFINES").unwrap_or_default();
+        let extra = &self.extra_defines;
         let module = compile(
             &self.ctx,
             &format!("{}\n#define D {d}\n#define G {g}\n{extra}", codec.defines()),

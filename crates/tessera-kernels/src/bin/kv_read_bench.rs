@@ -4,7 +4,8 @@
 //! "+(32,8,128) b16"`, are timed). Every parity comparison counts: the last line is
 //! "kv-read-bench: N passed, M failed" and the exit status is 1 on any failure (a part that
 //! stops with an error counts as one failed check; the other parts still run).
-//! `--plant-failure` perturbs the first compared output, to show a miss fails the run.
+//! `--plant-failure` perturbs the first compared output, to show a miss fails the run;
+//! `--defines=TEXT` adds `#define` lines to every kernel configuration (the variants).
 //! - parity: random keys/values stored by the CPU cache's own codecs (bf16 rounding,
 //!   tessera-kv's affine quantizer), uploaded as stored, read on the GPU with left padding
 //!   and ragged lengths, compared with attention in f64 on the host over the same stored
@@ -484,9 +485,15 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
 fn main() {
     // Words name the parts to run; `+TEXT` arguments filter the timed reads by label.
     let mut plant = false;
+    let mut defines = String::new();
     let all: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
+            if let Some(d) = a.strip_prefix("--defines=") {
+                defines.push_str(d);
+                defines.push('\n');
+                return false;
+            }
             let this = a == "--plant-failure";
             plant |= this;
             !this
@@ -499,7 +506,7 @@ fn main() {
     const PARTS: [&str; 4] = ["parity", "copy", "time", "chunk"];
     if let Some(bad) = args.iter().find(|a| !PARTS.contains(&a.as_str())) {
         eprintln!(
-            "kv-read-bench: unknown part {bad:?} (parts: {}; +FILTER; --plant-failure)",
+            "kv-read-bench: unknown part {bad:?} (parts: {}; +FILTER; --plant-failure; --defines=TEXT)",
             PARTS.join(", ")
         );
         std::process::exit(2);
@@ -518,7 +525,7 @@ fn main() {
         }
     };
     let gpu = match DecodeRead::new(0) {
-        Ok(g) => g,
+        Ok(g) => g.with_defines(defines),
         Err(e) => {
             eprintln!("kv-read-bench: no CUDA device: {e:#}");
             tally.record(false);
