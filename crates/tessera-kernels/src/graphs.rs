@@ -36,6 +36,19 @@ impl GraphBackend for CudaGraphs {
             .map_err(candle_core::Error::wrap)
     }
 
+    fn cache_uploads(&self, device: &Device) -> Box<dyn std::any::Any> {
+        // candle's own cache: while enabled (on this thread), a kernel's dims-and-strides
+        // upload is looked up by content, and one missing during a capture fails it
+        // rather than recording a copy from host memory freed right after. Without it,
+        // steps of more than one row (whose q, k and v are strided views of one
+        // projection) replayed copies from freed memory: the illegal addresses of the
+        // many-row-count runs.
+        match device {
+            Device::Cuda(d) => Box::new(d.enable_cuda_graph_htod_cache()),
+            _ => Box::new(()),
+        }
+    }
+
     fn end(&self, device: &Device) -> Result<Box<dyn DeviceGraph>> {
         let graph = stream(device)?
             .end_capture(

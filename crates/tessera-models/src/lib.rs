@@ -63,10 +63,10 @@ pub struct LoadOptions {
     /// replayed; off, every step launches each kernel itself (to compare the two).
     pub step_graphs: bool,
     /// The most rows a graphed decode step has; steps of more rows launch eagerly. One by
-    /// default: with graphs of several row counts alive (a batch whose rows join one step
-    /// apart), the H200 hit an illegal address within 8 to 16 captures, not yet run down
-    /// (`bench/device-run.sh graphrows` reproduces it); batch steps of more rows are mostly
-    /// GPU-bound anyway.
+    /// default: graphs of more rows hit illegal addresses on the H200 (2026-12-04). The
+    /// cause found since (strided views' dims and strides uploaded from host memory freed
+    /// before the replays read it) is fixed by [`step_graph::GraphBackend::cache_uploads`],
+    /// but not yet run on a GPU (`bench/device-run.sh graphrows`).
     pub step_graph_rows: usize,
 }
 

@@ -23,6 +23,15 @@ pub trait GraphBackend: Send + Sync {
     /// Ends the capture begun on `device` and instantiates what it recorded. Called after
     /// every [`Self::begin`], also when the work in between failed.
     fn end(&self, device: &Device) -> Result<Box<dyn DeviceGraph>>;
+    /// While the returned guard lives, the small host-to-device uploads of kernel
+    /// parameters that this thread's work on `device` makes (a strided tensor's dims and
+    /// strides) come from a cache of device buffers that outlive the graphs, filled
+    /// outside a capture: a captured upload would read its host buffer again at every
+    /// replay, long after it was freed. Nothing to do where work uploads nothing.
+    fn cache_uploads(&self, device: &Device) -> Box<dyn std::any::Any> {
+        let _ = device;
+        Box::new(())
+    }
 }
 
 /// An instantiated graph.
@@ -48,13 +57,19 @@ pub(crate) fn backend(device: &Device) -> Option<&'static dyn GraphBackend> {
 
 /// `f`'s work captured as a graph and launched once (so its outputs hold values); where the
 /// capture cannot begin or fails, `f` runs (again) as ordinary launches and no graph is
-/// returned. `f` must
-/// only queue device work (no cache state, nothing read back).
+/// returned. `f` runs once before the capture too, with uploads cached
+/// ([`GraphBackend::cache_uploads`]), so that the captured work finds every parameter it
+/// uploads already on the device. `f` must only queue device work (no cache state, nothing
+/// read back), so running it twice is only time.
 pub(crate) fn captured<T>(
     backend: &dyn GraphBackend,
     device: &Device,
     f: impl Fn() -> Result<T>,
 ) -> Result<(T, Option<Box<dyn DeviceGraph>>)> {
+    let _uploads = backend.cache_uploads(device);
+    // The warm-up: its outputs are freed before the capture begins (a free recorded in a
+    // graph must be of the graph's own memory).
+    drop(f()?);
     if backend.begin(device).is_err() {
         return Ok((f()?, None));
     }

@@ -3,7 +3,8 @@
 //! the step that captures must give exactly the eager step's logits, part by part wired as
 //! the eager walk; a backend that refuses every capture must leave every step exactly as
 //! eager and be asked once per row count (so must one whose captures cannot begin); a
-//! replay launches every graph of the step.
+//! replay launches every graph of the step; every capture begins with the backend's upload
+//! cache on.
 //! The GPU's replays are checked against eager steps by `tessera bench --graph-probe`.
 
 use candle_core::{Device, Result, Tensor};
@@ -23,12 +24,24 @@ struct Counts {
     refuse_begin: AtomicBool,
     begins: AtomicUsize,
     ends: AtomicUsize,
+    /// Upload caches alive ([`GraphBackend::cache_uploads`]), and captures begun outside one.
+    caching: Arc<AtomicUsize>,
+    uncached_begins: AtomicUsize,
     launches: Arc<AtomicUsize>,
 }
 
 struct StandIn(Arc<Counts>);
 
 struct Counted(Arc<AtomicUsize>);
+
+/// The stand-in's upload cache: counted while alive.
+struct Caching(Arc<AtomicUsize>);
+
+impl Drop for Caching {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 impl DeviceGraph for Counted {
     fn launch(&self) -> Result<()> {
@@ -43,10 +56,17 @@ impl GraphBackend for StandIn {
     }
     fn begin(&self, _: &Device) -> Result<()> {
         self.0.begins.fetch_add(1, Ordering::SeqCst);
+        if self.0.caching.load(Ordering::SeqCst) == 0 {
+            self.0.uncached_begins.fetch_add(1, Ordering::SeqCst);
+        }
         if self.0.refuse_begin.load(Ordering::SeqCst) {
             candle_core::bail!("no capture begins in the stand-in");
         }
         Ok(())
+    }
+    fn cache_uploads(&self, _: &Device) -> Box<dyn std::any::Any> {
+        self.0.caching.fetch_add(1, Ordering::SeqCst);
+        Box::new(Caching(self.0.caching.clone()))
     }
     fn end(&self, _: &Device) -> Result<Box<dyn DeviceGraph>> {
         self.0.ends.fetch_add(1, Ordering::SeqCst);
@@ -155,6 +175,10 @@ fn graph_path_computes_the_eager_step_and_falls_back_on_a_refused_capture() {
             2 * parts,
             "{arch}: a replay"
         );
+
+        // Every capture began with the upload cache on, and none is left on.
+        assert_eq!(counts.uncached_begins.load(Ordering::SeqCst), 0, "{arch}");
+        assert_eq!(counts.caching.load(Ordering::SeqCst), 0, "{arch}");
 
         // Off, nothing is asked of the backend.
         model.set_step_graphs(false);
