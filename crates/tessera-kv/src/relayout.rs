@@ -102,7 +102,7 @@ impl LayerCache {
     fn placed(&self, r: usize, pad: usize) -> (usize, usize) {
         let own = self.rows.left_pad()[r];
         let held = self.rows.held_from()[r].max(own) - own + pad;
-        (pad + self.rows.offsets()[r], held)
+        (pad + self.rows.end_of(r).saturating_sub(own), held)
     }
 
     /// Copies row `r` into row `dst` of `planes` (laid out by `slots`) with padding `pad`:
@@ -134,10 +134,10 @@ impl LayerCache {
     }
 
     /// Appends the rows of `other` after this layer's, their padding grown by `shift`, in
-    /// place: this layer's rows stay as they are (the caller checked that `other`'s rows,
-    /// so padded, end no later than these, and that the planes move rows in place).
+    /// place: this layer's rows stay as they are (the caller checked that the layers are
+    /// compatible and in one codec stage, that `other`'s rows, so padded, end no later than
+    /// these, and that the planes move rows in place).
     pub(crate) fn append_rows(&mut self, other: &LayerCache, shift: usize) -> Result<(), KvError> {
-        self.check_compatible(other, false)?;
         let (first, added) = (self.rows.batch(), other.rows.batch());
         let kept: Vec<usize> = (0..first).collect();
         self.planes.resize_rows(&kept, added)?;

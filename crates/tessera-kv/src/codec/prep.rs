@@ -101,8 +101,8 @@ impl ChannelPrep {
         }
     }
 
-    /// Rows of `heads` blocks kept (`keep`, strictly increasing, moved down) and `added`
-    /// identity rows after them ([`crate::planes::Planes::resize_rows`]).
+    /// Rows of `heads` blocks kept (`keep`, as [`crate::planes::keeps_in_place`] takes it)
+    /// and `added` identity rows after them ([`crate::planes::Planes::resize_rows`]).
     pub fn resize_rows(&mut self, heads: usize, keep: &[usize], added: usize) {
         let span = heads * self.dim;
         if let Some(m) = self.mean.as_mut() {
