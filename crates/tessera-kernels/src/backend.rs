@@ -15,7 +15,8 @@ use crate::PLANES_CU;
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
+    result, CudaContext, CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -70,8 +71,8 @@ fn timed<R>(kernels: &Kernels, op: usize, f: impl FnOnce() -> R) -> R {
 }
 use tessera_kv::planes::device::host_planes;
 use tessera_kv::planes::{
-    ChunkGeometry, DeviceBackend, PlaneGeometry, Planes, PlanesState, RowSlots, TurboPlanes,
-    TurboTables,
+    keeps_in_place, ChunkGeometry, DeviceBackend, PlaneGeometry, Planes, PlanesState, RowSlots,
+    TurboPlanes, TurboTables,
 };
 use tessera_kv::{grown_capacity, Codec, Isa, KvError, PlainDType, TurboPrep};
 
@@ -698,8 +699,13 @@ impl CudaPlanes {
     }
 
     fn alloc(&self, capacity: usize) -> anyhow::Result<GpuPlanes> {
+        self.alloc_rows(self.geometry.rows, capacity)
+    }
+
+    /// Zeroed planes with room for `rows` rows (the geometry's rows are the ones in use).
+    fn alloc_rows(&self, rows: usize, capacity: usize) -> anyhow::Result<GpuPlanes> {
         let s = &self.kernels.read.stream;
-        let rows = self.blocks() * capacity;
+        let rows = rows * self.geometry.heads * capacity;
         let ((wk, pk), (wv, pv)) = (self.words(0), self.words(1));
         Ok(GpuPlanes {
             codec: self.gpu,
@@ -746,6 +752,70 @@ impl CudaPlanes {
                 .arg(&dst_stride);
             unsafe { l.launch(grid((blocks * words) as usize))? };
         }
+        Ok(())
+    }
+
+    /// Words one row takes in each buffer of planes of `capacity` slots: keys, key
+    /// parameters, values, value parameters (0 where the codec has no such buffer).
+    fn row_words(&self, capacity: usize) -> [usize; 4] {
+        let ((wk, pk), (wv, pv)) = (self.words(0), self.words(1));
+        [wk, pk, wv, pv].map(|w| self.geometry.heads * capacity * w)
+    }
+
+    /// [`Planes::resize_rows`] on the device buffers: each moved row is one copy per buffer
+    /// (rows lie whole, one after another), added rows are zeroed, and the buffers are
+    /// reallocated only when the rows outgrow them, by half again, so that rows joining a
+    /// batch one by one copy the others rarely.
+    fn resize_rows_now(&mut self, keep: &[usize], rows: usize) -> anyhow::Result<()> {
+        let Some(capacity) = self.planes.as_ref().map(|p| p.capacity) else {
+            return Ok(());
+        };
+        let per_row = self.row_words(capacity);
+        let room = self.planes.as_ref().map_or(0, |p| p.k.len()) / per_row[0].max(1);
+        let grown = if rows > room {
+            Some(self.alloc_rows(rows.max(room + room / 2), capacity)?)
+        } else {
+            None
+        };
+        let s = self.kernels.read.stream.clone();
+        let p = self.planes.as_mut().context("planes checked above")?;
+        let kept = keep.len();
+        for (buf, per) in [&mut p.k, &mut p.kp, &mut p.v, &mut p.vp]
+            .into_iter()
+            .zip(per_row)
+        {
+            if per == 0 {
+                continue;
+            }
+            {
+                let (base, _guard) = buf.device_ptr_mut(&s);
+                let at = |row: usize| base + (row * per * 4) as u64;
+                for (to, &from) in keep.iter().enumerate().filter(|(to, from)| to != *from) {
+                    // SAFETY: rows `from` and `to` are distinct whole rows of this buffer
+                    // (`keeps_in_place` checked), so the ranges are in bounds and disjoint;
+                    // the copy is ordered on the planes' stream like every kernel on them.
+                    unsafe { result::memcpy_dtod_async(at(to), at(from), per * 4, s.cu_stream())? };
+                }
+            }
+            if grown.is_none() && rows > kept {
+                s.memset_zeros(&mut buf.slice_mut(kept * per..rows * per))?;
+            }
+        }
+        if let Some(mut grown) = grown {
+            for (old, new, per) in [
+                (&p.k, &mut grown.k, per_row[0]),
+                (&p.kp, &mut grown.kp, per_row[1]),
+                (&p.v, &mut grown.v, per_row[2]),
+                (&p.vp, &mut grown.vp, per_row[3]),
+            ] {
+                if per > 0 && kept > 0 {
+                    s.memcpy_dtod(&old.slice(..kept * per), &mut new.slice_mut(..kept * per))?;
+                }
+            }
+            grown.turbo = p.turbo.clone();
+            *p = grown;
+        }
+        p.batch = rows;
         Ok(())
     }
 
@@ -840,6 +910,26 @@ impl Planes for CudaPlanes {
             return Ok(());
         };
         t.host.adopt_row(from.host.as_ref(), src_row, dst_row)?;
+        self.refresh_tables()
+    }
+
+    fn resizes_rows_in_place(&self) -> bool {
+        true
+    }
+
+    fn resize_rows(&mut self, keep: &[usize], added: usize) -> Result<(), KvError> {
+        if !keeps_in_place(keep, self.geometry.rows) {
+            return Err(KvError::Rows(format!(
+                "rows {keep:?} of {} kept in place (distinct, each at or after its place)",
+                self.geometry.rows
+            )));
+        }
+        let rows = keep.len() + added;
+        self.resize_rows_now(keep, rows).map_err(device_error)?;
+        self.geometry.rows = rows;
+        if let Some(t) = &mut self.turbo {
+            t.host.resize_rows(keep, added)?;
+        }
         self.refresh_tables()
     }
 

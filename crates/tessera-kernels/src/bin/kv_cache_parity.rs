@@ -18,7 +18,7 @@
 //!   hold to an f32 reference): ‖gpu − cpu‖ / ‖cpu‖ under 1e-4 for bf16 (q and p enter the
 //!   tensor cores as two bf16 parts) and turbo rows read on CUDA cores (f32, the same stored
 //!   codes), 2e-3 for affine and 4-bit turbo rows (f16 tensor-core operands).
-//! - row ops: the cache's row operations (merge, extend, filter, extract, align, speculative
+//! - row ops: the cache's row operations (merge, extend, filter, retain, extract, align, speculative
 //!   rounds rolled back per row and committed, state → from_state) in one sequence on both
 //!   caches (see `row_ops_parity`): reads within the same tolerances, `state` bit for bit.
 
@@ -686,7 +686,8 @@ fn planted(got: &Tensor, what: &str) -> Result<Tensor> {
 
 /// The cache's row operations on the GPU against the CPU: the same sequence on both —
 /// prefill chunks and decode steps on 3 left-padded rows, `merge` with a 1-row cache,
-/// `extend` with a 2-row one, `filter`, `extract`, `align`, a speculative round rolled
+/// `extend` with a 2-row one, `filter`, `retain` and `extend` in place (rows left and
+/// joining where they lie, growing past the planes' room), `extract`, `align`, a speculative round rolled
 /// back to a different length per row and one committed, with the sliding-window layer's
 /// ring wrapped well past its size, then `state` → `from_state` (each side its own, and the
 /// CPU's state restored on the GPU) — for bf16, affine 4:64 and 8:32, and turbo 4/4 with
@@ -817,6 +818,22 @@ fn row_ops_sequence(
     m.both("filter", |x| x.filter(&[0, 2, 3, 4]))?;
     run.states(&m, "filter")?;
     run.decode_steps(&mut m, 3, tally, "after filter")?;
+    at("retain [0, 3, 2] (row 1's place given to the last row, in place)");
+    m.both("retain", |x| x.retain(&[0, 3, 2]))?;
+    run.states(&m, "retain")?;
+    run.decode_steps(&mut m, 2, tally, "after retain")?;
+    at("extend with d, e, f: 1, 2 and 1 rows, prefill 7 each (rows outgrow the planes' room)");
+    for (name, pads) in [("d", vec![1]), ("e", vec![0, 3]), ("f", vec![2])] {
+        let mut d = CachePair::new(specs, scheme, pads)?;
+        run.append(&mut d, 7, tally, &format!("{name} prefill"))?;
+        m.extend(d)?;
+        run.states(&m, &format!("extend with {name}"))?;
+        run.decode_steps(&mut m, 2, tally, &format!("after extend with {name}"))?;
+    }
+    at("retain [0, 6, 2, 5, 4] (rows 1 and 3 leave, in place)");
+    m.both("retain", |x| x.retain(&[0, 6, 2, 5, 4]))?;
+    run.states(&m, "second retain")?;
+    run.decode_steps(&mut m, 2, tally, "after second retain")?;
     at("extract row 1");
     let mut x = m.extract(1)?;
     run.states(&x, "extract")?;
@@ -836,10 +853,11 @@ fn row_ops_sequence(
     at("30 decode steps (the ring of 48 wraps)");
     run.decode_steps(&mut m, 30, tally, "ring past its wrap")?;
     run.states(&m, "ring wrapped")?;
-    at("round 1: begin, 4 decode steps, rollback keeping [0, 2, 4, 1]");
+    at("round 1: begin, 4 decode steps, rollback keeping 0, 2, 4, 1, 0 … per row");
     m.both("round_begin", |x| x.round_begin())?;
     run.decode_steps(&mut m, 4, tally, "round 1")?;
-    m.both("round_rollback", |x| x.round_rollback(&[0, 2, 4, 1]))?;
+    let kept: Vec<usize> = (0..m.rows()).map(|r| [0, 2, 4, 1][r % 4]).collect();
+    m.both("round_rollback", |x| x.round_rollback(&kept))?;
     run.states(&m, "rollback")?;
     run.decode_steps(&mut m, 2, tally, "after rollback")?;
     at("round 2: begin, 3 decode steps, commit");
