@@ -257,18 +257,37 @@ fn compile(ctx: &Arc<CudaContext>, defines: &str) -> Result<Arc<cudarc::driver::
     compile_source(ctx, &format!("{defines}\n{DECODE_CU}"))
 }
 
+/// decode.cu as compiled for reads of `codec` rows of `d` elements by `g` query heads per
+/// KV head, with `extra` (`#define` lines) ahead of it.
+pub fn decode_source(codec: GpuCodec, d: usize, g: usize, extra: &str) -> String {
+    format!(
+        "{}\n#define D {d}\n#define G {g}\n{extra}\n{DECODE_CU}",
+        codec.defines()
+    )
+}
+
+/// `src` compiled by NVRTC for the H200 (sm_90). Needs no device: kernels-compile runs it
+/// on a machine without one.
+pub fn compile_ptx(src: &str) -> Result<cudarc::nvrtc::Ptx> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some("sm_90"),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| match e {
+        // The compiler's own log, lines as it wrote them.
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+            anyhow::anyhow!("NVRTC:\n{}", log.to_string_lossy())
+        }
+        e => anyhow::anyhow!("NVRTC: {e:?}"),
+    })
+}
+
 /// NVRTC for the H200 (sm_90), loaded into `ctx`.
 pub(crate) fn compile_source(
     ctx: &Arc<CudaContext>,
     src: &str,
 ) -> Result<Arc<cudarc::driver::CudaModule>> {
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some("sm_90"),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
-        .map_err(|e| anyhow::anyhow!("NVRTC: {e:?}"))?;
-    Ok(ctx.load_module(ptx)?)
+    Ok(ctx.load_module(compile_ptx(src)?)?)
 }
 
 impl DecodeRead {
@@ -317,11 +336,7 @@ impl DecodeRead {
         if let Some(k) = map.get(&(codec, d, g)) {
             return Ok(k.clone());
         }
-        let extra = &self.extra_defines;
-        let module = compile(
-            &self.ctx,
-            &format!("{}\n#define D {d}\n#define G {g}\n{extra}", codec.defines()),
-        )?;
+        let module = compile_source(&self.ctx, &decode_source(codec, d, g, &self.extra_defines))?;
         // The tensor-core kernel gives each lane d/4 elements of a key row and d/8 of a
         // value row, which must lie in one affine group.
         // For bf16 rows of 256 the tensor-core kernel's registers (two tiles of 16 rows
