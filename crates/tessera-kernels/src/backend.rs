@@ -223,10 +223,11 @@ impl DeviceBackend for CudaBackend {
             reason,
         })?;
         let kernels = self.kernels(dev).map_err(device_error)?;
-        // Turbo: the host's own planes of the codec, for its tables and key preparation.
+        // Turbo: the host's own planes of the codec, for its tables and key preparation;
+        // affine: for its key means.
         let host = match codec {
-            Codec::Turbo { .. } => Some(host_planes(codec, geometry)),
-            _ => None,
+            Codec::Turbo { .. } | Codec::Affine { .. } => Some(host_planes(codec, geometry)),
+            Codec::Plain(_) => None,
         };
         Ok(Some(Box::new(CudaPlanes::new(
             kernels, codec, gpu, geometry, host,
@@ -243,6 +244,24 @@ struct CudaPlanes {
     /// Allocated on the first reserve.
     planes: Option<GpuPlanes>,
     turbo: Option<TurboState>,
+    means: Option<KeyMeans>,
+}
+
+/// An affine layer's key means (tessera-kv's affine.rs centres keys): tessera-kv's host
+/// planes of the codec, kept empty (fitted, adopted and resized with the CPU's own code),
+/// and their copy on the device, `(rows, heads, head_dim)` f32, which the encode subtracts.
+struct KeyMeans {
+    host: Box<dyn Planes>,
+    device: CudaSlice<f32>,
+}
+
+impl KeyMeans {
+    fn values(&self) -> &[f32] {
+        self.host
+            .as_any()
+            .downcast_ref::<tessera_kv::planes::AffinePlanes>()
+            .map_or(&[], |p| p.key_means())
+    }
 }
 
 /// A turbo layer's tables: tessera-kv's host planes of the codec, kept empty (no slots:
@@ -378,21 +397,53 @@ impl CudaPlanes {
         geometry: PlaneGeometry,
         host: Option<Box<dyn Planes>>,
     ) -> Result<Self, KvError> {
-        let turbo = match host {
-            Some(host) => {
+        let (turbo, means) = match (gpu, host) {
+            (GpuCodec::Turbo { .. }, Some(host)) => {
                 let device = Arc::new(upload_tables(&kernels, host.as_ref(), geometry)?);
-                Some(TurboState { host, device })
+                (Some(TurboState { host, device }), None)
             }
-            None => None,
+            (GpuCodec::Affine { .. }, Some(host)) => {
+                let device = kernels
+                    .read
+                    .stream
+                    .alloc_zeros::<f32>(1)
+                    .map_err(device_error)?;
+                (None, Some(KeyMeans { host, device }))
+            }
+            _ => (None, None),
         };
-        Ok(CudaPlanes {
+        let mut planes = CudaPlanes {
             kernels,
             codec,
             gpu,
             geometry,
             planes: None,
             turbo,
-        })
+            means,
+        };
+        planes.refresh_means()?;
+        Ok(planes)
+    }
+
+    /// Uploads the host's affine key means again (after a fit, adoption, resize or restore).
+    fn refresh_means(&mut self) -> Result<(), KvError> {
+        let Some(m) = &mut self.means else {
+            return Ok(());
+        };
+        let values = m.values();
+        // One zero where there are none yet: a launch still gets a buffer.
+        let values = if values.is_empty() {
+            &[0f32][..]
+        } else {
+            values
+        };
+        m.device = self
+            .kernels
+            .read
+            .stream
+            .clone_htod(values)
+            .map_err(device_error)?;
+        Ok(())
     }
 
     fn blocks(&self) -> usize {
@@ -509,6 +560,18 @@ impl CudaPlanes {
         }
         let (bits, group) = self.bits_group();
         let per_row = if bits == 0 { d / 2 } else { d / group as usize };
+        let means = match &self.means {
+            Some(m) if m.values().len() >= (row0 + b) * h * d => {
+                Some(m.device.slice(row0 * h * d..(row0 + b) * h * d))
+            }
+            Some(_) => {
+                return Err(KvError::Device(format!(
+                    "key means for rows {row0}..{} missing",
+                    row0 + b
+                )))
+            }
+            None => None,
+        };
         with_f32(&keys, |ks, k_offset| {
             with_f32(&values, |vs, v_offset| {
                 let (ks, vs) = (ks.slice(k_offset..), vs.slice(v_offset..));
@@ -520,6 +583,11 @@ impl CudaPlanes {
                 l.input(&ks).input(&vs).output(&mut ck).output(&mut cv);
                 l.output(&mut pk).output(&mut pv).long(blocks).int(n).int(d);
                 l.int(cap).int(slot).int(bits).int(group);
+                // The launch's rows' key means (a null pointer where keys are not centred).
+                match &means {
+                    Some(m) => l.input(m),
+                    None => l.long(0),
+                };
                 // bf16: a thread per word; affine: a warp per group; grid.y: the plane.
                 let lanes = if bits == 0 { 1 } else { 32 };
                 let mut cfg = grid(b * h * n as usize * per_row * lanes);
@@ -849,9 +917,10 @@ impl Planes for CudaPlanes {
     }
 
     fn empty(&self, rows: usize) -> Result<Box<dyn Planes>, KvError> {
-        let host = match &self.turbo {
-            Some(t) => Some(t.host.empty(rows)?),
-            None => None,
+        let host = match (&self.turbo, &self.means) {
+            (Some(t), _) => Some(t.host.empty(rows)?),
+            (None, Some(m)) => Some(m.host.empty(rows)?),
+            (None, None) => None,
         };
         let geometry = PlaneGeometry {
             rows,
@@ -906,6 +975,10 @@ impl Planes for CudaPlanes {
         dst_row: usize,
     ) -> Result<(), KvError> {
         let src = self.same_kind(src)?;
+        if let (Some(m), Some(from)) = (&mut self.means, &src.means) {
+            m.host.adopt_row(from.host.as_ref(), src_row, dst_row)?;
+            return self.refresh_means();
+        }
         let (Some(t), Some(from)) = (&mut self.turbo, &src.turbo) else {
             return Ok(());
         };
@@ -930,6 +1003,10 @@ impl Planes for CudaPlanes {
         if let Some(t) = &mut self.turbo {
             t.host.resize_rows(keep, added)?;
         }
+        if let Some(m) = &mut self.means {
+            m.host.resize_rows(keep, added)?;
+        }
+        self.refresh_means()?;
         self.refresh_tables()
     }
 
@@ -1001,6 +1078,10 @@ impl Planes for CudaPlanes {
         prep: TurboPrep,
         queries: Option<&[f32]>,
     ) -> Result<(), KvError> {
+        if let Some(m) = &mut self.means {
+            m.host.fit_key_prep(k, live, prep, queries)?;
+            return self.refresh_means();
+        }
         let Some(t) = &mut self.turbo else {
             return Ok(());
         };
@@ -1054,9 +1135,12 @@ impl Planes for CudaPlanes {
     }
 
     fn allocated_bytes(&self) -> usize {
-        self.planes
-            .as_ref()
-            .map_or(0, |p| 4 * (p.k.len() + p.v.len() + p.kp.len() + p.vp.len()))
+        let means = self.means.as_ref().map_or(0, |m| 4 * m.values().len());
+        means
+            + self
+                .planes
+                .as_ref()
+                .map_or(0, |p| 4 * (p.k.len() + p.v.len() + p.kp.len() + p.vp.len()))
     }
 
     fn bytes_per_position(&self) -> usize {
@@ -1085,6 +1169,7 @@ impl Planes for CudaPlanes {
                 word_bytes(&kp),
                 word_bytes(&v),
                 word_bytes(&vp),
+                f32_bytes(self.means.as_ref().map_or(&[], |m| m.values())),
             ],
             GpuCodec::Turbo { .. } => {
                 let t = self.turbo.as_ref().expect("turbo planes keep their tables");
@@ -1118,7 +1203,8 @@ impl Planes for CudaPlanes {
     fn restore(&mut self, state: &PlanesState) -> Result<(), KvError> {
         let count = match self.gpu {
             GpuCodec::Bf16 => 2,
-            GpuCodec::Affine { .. } => 4,
+            // Five with the key means; four from a state written before keys were centred.
+            GpuCodec::Affine { .. } => state.buffers.len().clamp(4, 5),
             GpuCodec::Turbo { .. } => 6,
         };
         if state.codec != self.codec()
@@ -1157,6 +1243,18 @@ impl Planes for CudaPlanes {
                 f16_bytes_to_norms(&b[3], nvp, "turbo value norms")?,
             ),
         };
+        if let Some(m) = &mut self.means {
+            // The host planes hold no slots: only the key means travel to them.
+            let mut buffers = vec![Vec::new(); 4];
+            buffers.extend(b.get(4).cloned());
+            m.host.restore(&PlanesState {
+                codec: state.codec,
+                geometry: state.geometry,
+                capacity: 0,
+                buffers,
+            })?;
+            self.refresh_means()?;
+        }
         if let Some(t) = &mut self.turbo {
             // The host planes hold no slots: only the key preparation travels to them.
             t.host.restore(&PlanesState {
@@ -1267,11 +1365,20 @@ impl CudaPlanes {
         self.check_slots(slot, len, "read")?;
         let p = self.planes()?;
         let k = self.decode_slots(&p.k, &p.kp, rows.clone(), p.capacity, slot, len, 0)?;
-        let v = self.decode_slots(&p.v, &p.vp, rows, p.capacity, slot, len, 1)?;
-        Ok((
-            wrap(&self.kernels, k, &shape),
-            wrap(&self.kernels, v, &shape),
-        ))
+        let v = self.decode_slots(&p.v, &p.vp, rows.clone(), p.capacity, slot, len, 1)?;
+        let mut keys = wrap(&self.kernels, k, &shape);
+        if let Some(m) = &self.means {
+            // The stored keys are centred: their means added back.
+            let per_row = g.heads * g.head_dim;
+            let values = m
+                .values()
+                .get(rows.start * per_row..rows.end * per_row)
+                .ok_or_else(|| KvError::Device(format!("key means for rows {rows:?} missing")))?;
+            let device = Device::Cuda(self.kernels.device.clone());
+            let means = Tensor::from_slice(values, (rows.len(), g.heads, 1, g.head_dim), &device)?;
+            keys = keys.broadcast_add(&means)?;
+        }
+        Ok((keys, wrap(&self.kernels, v, &shape)))
     }
 
     /// The fused chunk read where this codec and shape have one (see `Planes::chunk`).

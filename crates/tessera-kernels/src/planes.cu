@@ -49,7 +49,9 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
     return f;
 }
 
-// x (blocks, n, d) f32 into slots [slot, slot + n) of a plane of `cap` slots. bits == 0:
+// x (blocks, n, d) f32 into slots [slot, slot + n) of a plane of `cap` slots; affine rows
+// first have `mean` (blocks, d) subtracted where it is given (keys: tessera-kv's affine.rs
+// centres them), after the bf16 rounding, as the CPU does. bits == 0:
 // bf16, one thread per word; otherwise affine, one warp per group (the host launches 32
 // threads per group): lanes load the group together, reduce its range by shuffles, and
 // each writes whole words of the group's code stream. (One thread walking a group alone,
@@ -57,7 +59,8 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
 __device__ __forceinline__ void encode_rows(const float* __restrict__ x,
                                             u32* __restrict__ codes, u32* __restrict__ params,
                                             long blocks, int n, int d, int cap, int slot,
-                                            int bits, int group) {
+                                            int bits, int group,
+                                            const float* __restrict__ mean) {
     const int per_row = bits == 0 ? d / 2 : d / group;
     const long total = blocks * n * per_row;
     if (bits == 0) {
@@ -82,11 +85,12 @@ __device__ __forceinline__ void encode_rows(const float* __restrict__ x,
         const int j = (int)(t % per_row);    // group
         const long dst = (row / n) * cap + slot + row % n; // stored row
         const float* w = x + row * d + j * group + lane * per_lane;
+        const float* m = mean ? mean + (row / n) * d + j * group + lane * per_lane : nullptr;
         float v[4], w_min = 3.402823466e38f, w_max = 0.f;
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             if (e < per_lane) {
-                v[e] = bf16_to_f32(f32_to_bf16(w[e]));
+                v[e] = bf16_to_f32(f32_to_bf16(w[e])) - (m ? m[e] : 0.f);
                 w_min = fminf(w_min, v[e]);
                 w_max = fmaxf(w_max, v[e]);
             }
@@ -129,18 +133,18 @@ __device__ __forceinline__ void encode_rows(const float* __restrict__ x,
 }
 
 // Keys and values of one append in one launch: blockIdx.y picks the plane (0 keys, 1
-// values), both of the same geometry and codec.
+// values), both of the same geometry and codec; `mean_k` (null for none) centres the keys.
 extern "C" __global__ void encode_kv_rows(const float* __restrict__ xk,
                                           const float* __restrict__ xv,
                                           u32* __restrict__ codes_k, u32* __restrict__ codes_v,
                                           u32* __restrict__ params_k, u32* __restrict__ params_v,
                                           long blocks, int n, int d, int cap, int slot, int bits,
-                                          int group) {
+                                          int group, const float* __restrict__ mean_k) {
     release_dependents();
     wait_for_prior();
     const bool values = blockIdx.y == 1;
     encode_rows(values ? xv : xk, values ? codes_v : codes_k, values ? params_v : params_k,
-                blocks, n, d, cap, slot, bits, group);
+                blocks, n, d, cap, slot, bits, group, values ? nullptr : mean_k);
 }
 
 // Slots [slot, slot + len) of a plane into out (blocks, len, d) f32, one thread per element.

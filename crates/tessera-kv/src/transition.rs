@@ -4,7 +4,7 @@
 
 use crate::layer::LayerCache;
 use crate::planes::{planes_for, Planes};
-use crate::{Codec, KvError};
+use crate::{Codec, KvError, TurboPrep};
 use candle_core::Tensor;
 use std::ops::Range;
 
@@ -50,7 +50,14 @@ impl LayerCache {
         let rows = self.rows.batch();
         let (k, v) = self.planes.read(0..rows, 0, used)?;
         let mut converted = planes_for(target, self.geometry(), k.device())?;
-        if let Codec::Turbo { prep, .. } = target {
+        // Turbo fits its key preparation, affine its key means (it ignores the turbo flags),
+        // on the keys each row holds.
+        let prep = match target {
+            Codec::Turbo { prep, .. } => Some(prep),
+            Codec::Affine { .. } => Some(TurboPrep::ALL),
+            Codec::Plain(_) => None,
+        };
+        if let Some(prep) = prep {
             let (keys, live) = self.live_keys()?;
             // Taken: once converted, the layer has no use for them (nor its state).
             let queries = std::mem::take(&mut self.queries).weights();

@@ -6,7 +6,7 @@
 
 use candle_core::{Device, Tensor};
 use std::ops::Range;
-use tessera_kv::planes::AffinePlanes;
+use tessera_kv::planes::{AffinePlanes, Planes};
 use tessera_kv::{
     AttentionCache, Codec, KvCache, KvError, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep,
 };
@@ -61,7 +61,7 @@ fn stored(x: &Tensor, how: Store) -> Vec<f32> {
             let d = x.dims()[3];
             flat(
                 &AffinePlanes::new(bits, group, 1, 1, d, d)
-                    .as_stored(x)
+                    .as_stored(0, x, false)
                     .unwrap(),
             )
         }
@@ -787,6 +787,10 @@ fn max_append_tokens_converts_exactly_at_start() {
         let mut seed = 1;
         let (mut remaining, chunk) = (30, 8);
         let mut chunks = Vec::new();
+        // Affine: the keys and values appended so far, until the layer converts; then the
+        // planes holding the key means fitted on each row's live keys held then.
+        let mut raw: Vec<(Tensor, Tensor)> = Vec::new();
+        let mut fitted: Option<AffinePlanes> = None;
         while remaining > 0 {
             let end = cache.end();
             let bound = cache.max_append_tokens();
@@ -798,8 +802,40 @@ fn max_append_tokens_converts_exactly_at_start() {
             let (q, qd) = random((b, qh, n, d), &mut seed);
             let round = Store::Round(PlainDType::Bf16);
             bf16.append(n, (&stored(&k, round), &stored(&v, round)));
-            if let Some(a) = affine {
-                quant.append(n, (&stored(&k, a), &stored(&v, a)));
+            if let Some(Store::Affine { bits, group }) = affine {
+                let held = |p: &AffinePlanes, k: &Tensor, v: &Tensor| {
+                    let st = |x: &Tensor, keys| flat(&p.as_stored(0, x, keys).unwrap());
+                    (st(k, true), st(v, false))
+                };
+                match &fitted {
+                    Some(p) => {
+                        let (sk, sv) = held(p, &k, &v);
+                        quant.append(n, (&sk, &sv));
+                    }
+                    None => {
+                        raw.push((k.clone(), v.clone()));
+                        if end + n >= S {
+                            // The conversion: means from each row's live keys (after its
+                            // padding), then every held position stored with them.
+                            let cat = |i: usize| {
+                                let parts: Vec<&Tensor> = raw
+                                    .iter()
+                                    .map(|c| if i == 0 { &c.0 } else { &c.1 })
+                                    .collect();
+                                Tensor::cat(&parts, 2).unwrap()
+                            };
+                            let (ka, va) = (cat(0), cat(1));
+                            let live: Vec<Range<usize>> =
+                                pads.iter().map(|&p| p..end + n).collect();
+                            let mut p = AffinePlanes::new(bits, group, b, 1, d, d);
+                            p.fit_key_prep(&ka, &live, TurboPrep::ALL, None).unwrap();
+                            let (sk, sv) = held(&p, &ka, &va);
+                            quant = Model::new(1, d, &pads, None);
+                            quant.append(end + n, (&sk, &sv));
+                            fitted = Some(p);
+                        }
+                    }
+                }
             }
             let starts = vec![end; b];
             let causal = |m: &Model| {

@@ -117,14 +117,16 @@ struct Case {
 /// What a read returns for each stored position, from each codec's own definition: plain
 /// dtypes round the input; a quantized codec holds bf16 until the append that converts it
 /// (that append is read in bf16 too) and afterwards returns each position quantized and
-/// dequantized on its own (`as_stored`), turbo keys with the preparation fitted once per
-/// row, at conversion, on the bf16 keys that row held then at its live (non-padding)
-/// positions.
+/// dequantized on its own (`as_stored`), turbo keys with the preparation and affine keys
+/// with the means fitted once per row, at conversion, on the bf16 keys that row held then
+/// at its live (non-padding) positions.
 struct StoredModel {
     codec: Codec,
     quantized: bool,
     /// Turbo: one 1-row planes per row, holding that row's fitted key preparation.
     turbo: Vec<TurboPlanes>,
+    /// Affine: one 1-row planes per row, holding that row's fitted key means.
+    affine: Vec<AffinePlanes>,
 }
 
 fn rounded(x: &Tensor, dtype: PlainDType) -> Vec<f32> {
@@ -146,10 +148,19 @@ impl StoredModel {
         match (self.codec, self.quantized) {
             (Codec::Plain(dtype), _) => rounded(x, dtype),
             (_, false) => rounded(x, PlainDType::Bf16),
-            (Codec::Affine { bits, group }, true) => {
-                let d = x.dims()[3];
-                let planes = AffinePlanes::new(bits, group as usize, 1, 1, d, d);
-                flat(planes.as_stored(x).unwrap())
+            (Codec::Affine { .. }, true) => {
+                assert_eq!(self.affine.len(), x.dims()[0], "one fitted row per row");
+                let rows: Vec<Tensor> = self
+                    .affine
+                    .iter()
+                    .enumerate()
+                    .map(|(r, planes)| {
+                        planes
+                            .as_stored(0, &x.narrow(0, r, 1).unwrap(), keys)
+                            .unwrap()
+                    })
+                    .collect();
+                flat(Tensor::cat(&rows, 0).unwrap())
             }
             (Codec::Turbo { .. }, true) => {
                 assert_eq!(self.turbo.len(), x.dims()[0], "one fitted row per row");
@@ -278,6 +289,7 @@ fn check_reads(case: &Case) {
         codec,
         quantized: false,
         turbo: Vec::new(),
+        affine: Vec::new(),
     };
     let mut seed = seed;
     let scale = 1.0 / (d as f32).sqrt();
@@ -353,24 +365,39 @@ fn check_reads(case: &Case) {
                 }
                 _ => (0..end).collect(),
             };
-            if let Codec::Turbo { kbits, vbits, prep } = codec {
-                // Each row's own preparation, fitted on its live positions only.
-                model.turbo = (0..b)
-                    .map(|row| {
-                        let live = fitted_positions(&held, pads[row]);
-                        let mut planes = TurboPlanes::new(kbits, vbits, 1, kvh, d, d);
-                        let bf16 = Tensor::from_vec(
-                            rounded(&gather(&raw_k[row..row + 1], &live), PlainDType::Bf16),
-                            (1, kvh, live.len(), d),
-                            &Device::Cpu,
-                        )
-                        .unwrap();
-                        planes
-                            .fit_key_prep(&bf16, std::slice::from_ref(&(0..live.len())), prep, None)
-                            .unwrap();
-                        planes
-                    })
-                    .collect();
+            // Each row's own preparation, fitted on its live positions only.
+            let fitted = |planes: &mut dyn Planes, row: usize, prep: TurboPrep| {
+                let live = fitted_positions(&held, pads[row]);
+                let bf16 = Tensor::from_vec(
+                    rounded(&gather(&raw_k[row..row + 1], &live), PlainDType::Bf16),
+                    (1, kvh, live.len(), d),
+                    &Device::Cpu,
+                )
+                .unwrap();
+                planes
+                    .fit_key_prep(&bf16, std::slice::from_ref(&(0..live.len())), prep, None)
+                    .unwrap();
+            };
+            match codec {
+                Codec::Turbo { kbits, vbits, prep } => {
+                    model.turbo = (0..b)
+                        .map(|row| {
+                            let mut planes = TurboPlanes::new(kbits, vbits, 1, kvh, d, d);
+                            fitted(&mut planes, row, prep);
+                            planes
+                        })
+                        .collect();
+                }
+                Codec::Affine { bits, group } => {
+                    model.affine = (0..b)
+                        .map(|row| {
+                            let mut planes = AffinePlanes::new(bits, group as usize, 1, kvh, d, d);
+                            fitted(&mut planes, row, TurboPrep::ALL);
+                            planes
+                        })
+                        .collect();
+                }
+                Codec::Plain(_) => {}
             }
             model.quantized = true;
             let (sk, sv) = (
@@ -790,8 +817,10 @@ fn turbo_prep_fitted_per_row_when_padding_splits_a_wrapped_ring() {
     }
 }
 
-/// Quantizing on append and converting later from bf16 storage store the same codes: the
-/// next read is bit for bit the same.
+/// Converting from bf16 storage after several appends stores the same codes as converting
+/// at once after one append of the same positions (the key means are fitted on what the
+/// layer holds at conversion, the same positions either way): the next read is bit for bit
+/// the same.
 #[test]
 fn bf16_first_conversion_equals_quantizing_after_the_fact() {
     for retention in [Retention::Full, Retention::Window { size: 24 }] {
@@ -813,13 +842,23 @@ fn bf16_first_conversion_equals_quantizing_after_the_fact() {
             .collect();
         let (kd, _) = random((1, 1, 1, 64), &mut seed);
         let (q, _) = random((1, 4, 1, 64), &mut seed);
+        let cat = |i: usize| {
+            let parts: Vec<&Tensor> = chunks
+                .iter()
+                .map(|c| if i == 0 { &c.0 } else { &c.1 })
+                .collect();
+            Tensor::cat(&parts, 2).unwrap()
+        };
+        let whole = [(cat(0), cat(1))];
         let outputs: Vec<Vec<f32>> = [0usize, 41]
             .iter()
             .map(|&start| {
                 let mut scheme = KvScheme::uniform(Codec::Affine { bits: 4, group: 64 });
                 scheme.quantized_kv_start = start;
                 let mut cache = KvCache::new(&[spec], &scheme, vec![0]).unwrap();
-                for (k, v) in &chunks {
+                // At 0 the layer converts at its first append: all 41 positions in one.
+                let appends = if start == 0 { &whole[..] } else { &chunks[..] };
+                for (k, v) in appends {
                     cache.layer_mut(0).append_window(k, v).unwrap();
                 }
                 assert!(
@@ -956,7 +995,8 @@ fn conversion_frees_bf16_layer_by_layer() {
     let mut cache = KvCache::new(&vec![spec; layers], &scheme, vec![0]).unwrap();
     // Capacity grows in steps of 256 slots in both encodings.
     let bf16_layer = 256 * 2 * d * 2;
-    let affine_layer = 256 * 2 * (d * 4 / 8 + d / 64 * 4);
+    // Codes and f16 (scale, bias) pairs per slot, and the row's f32 key means.
+    let affine_layer = 256 * 2 * (d * 4 / 8 + d / 64 * 4) + d * 4;
     let mut seed = 9;
     let (k, _) = random((1, 1, 30, d), &mut seed);
     for l in 0..layers {

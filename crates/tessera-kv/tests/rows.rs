@@ -10,17 +10,18 @@
 //! refused operation must leave the cache's state as it was. Afterwards, for every row:
 //!
 //! - its stored positions (read back as a drafter reads them) are the model's, bit for bit
-//!   (plain: the input rounded to the dtype; affine: each position quantized on its own
-//!   with [`tessera_kv::codec::affine`]'s arithmetic, f16 scale and bias), and those of a
-//!   fresh one-row cache fed only that row's history;
+//!   (plain: the input rounded to the dtype), and those of a fresh one-row cache fed only
+//!   that row's history;
 //! - the reads of a decode step and of a chunk equal an f64 attention over the modelled
 //!   stored values, masked from the definition (causal, window), at every
 //!   [`Isa::supported`] level, and equal the fresh one-row cache's reads.
 //!
-//! TurboQuant is compared with the fresh one-row cache only (and, bit for bit, in stored
-//! values): its key preparation is fitted per row, at conversion, on the keys the row held
-//! then, so a model would have to re-implement the fit; the fresh cache replays the row's
-//! own appends (the same chunks, so it converts on the same keys) and rewinds.
+//! TurboQuant and affine storage are compared with the fresh one-row cache only (and, bit
+//! for bit, in stored values): their key preparation (affine: the key means) is fitted per
+//! row, at conversion, on the keys the row held then, so a model would have to
+//! re-implement the fit; the fresh cache replays the row's own appends (the same chunks,
+//! so it converts on the same keys) and rewinds. reads.rs checks both codecs' reads against
+//! an f64 reference over modelled stored values.
 //!
 //! `state()` → `from_state` → `state()` is checked bit for bit, and the restored cache's
 //! next reads equal the original's exactly.
@@ -29,7 +30,6 @@ use candle_core::{Device, Tensor};
 use half::{bf16, f16};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
-use tessera_kv::codec::affine::{get_code, quantize_group};
 use tessera_kv::{
     AttentionCache, Codec, Isa, KvCache, KvError, KvScheme, LayerSpec, PlainDType, Retention,
     TurboPrep,
@@ -739,29 +739,14 @@ fn run_op(batch: &mut Batch, cache: &mut KvCache, op: &Op, step: usize) {
 }
 
 /// What a read returns for an input vector of `D` elements, from the codec's definition
-/// (`None`: turbo, compared with a fresh cache instead).
+/// (`None`: affine and turbo, compared with a fresh cache instead).
 fn stored(codec: Codec, x: &[f32]) -> Option<Vec<f32>> {
     let to_bf16 = |v: &f32| bf16::from_f32(*v).to_f32();
     Some(match codec {
         Codec::Plain(PlainDType::F32) => x.to_vec(),
         Codec::Plain(PlainDType::Bf16) => x.iter().map(to_bf16).collect(),
         Codec::Plain(PlainDType::F16) => x.iter().map(|v| f16::from_f32(*v).to_f32()).collect(),
-        Codec::Affine { bits, group } => {
-            let g = group as usize;
-            let rounded: Vec<f32> = x.iter().map(to_bf16).collect();
-            let mut out = Vec::with_capacity(x.len());
-            for chunk in rounded.chunks_exact(g) {
-                let mut words = vec![0u32; g * bits as usize / 32];
-                let p = quantize_group(chunk, bits, &mut words);
-                let (s, b) = (
-                    f16::from_f32(p.scale).to_f32(),
-                    f16::from_f32(p.bias).to_f32(),
-                );
-                out.extend((0..g).map(|i| s * get_code(&words, i, bits) as f32 + b));
-            }
-            out
-        }
-        Codec::Turbo { .. } => return None,
+        Codec::Affine { .. } | Codec::Turbo { .. } => return None,
     })
 }
 
@@ -898,16 +883,11 @@ fn probe_reads(
 }
 
 /// A fresh one-row cache fed only `row`'s history (its appends in the chunks it saw, its
-/// rewinds as trims). Affine codes do not depend on when a layer converts, so an affine
-/// fresh cache converts at its first append (a padded row of a batch reaches a positive
-/// `quantized_kv_start` earlier than the row alone would); a turbo one converts as the
-/// batch does (its callers keep such rows unpadded).
+/// rewinds as trims). It converts as the batch does: a quantized codec's key preparation
+/// depends on when the layer converts (callers keep rows unpadded where the batch converts
+/// at a positive `quantized_kv_start`, which a padded row would reach earlier).
 fn fresh(cfg: &Cfg, row: &RowModel) -> KvCache {
-    let start = match cfg.codec {
-        Codec::Turbo { .. } => cfg.start,
-        _ => 0,
-    };
-    let mut cache = Cfg { start, ..*cfg }.new_cache(vec![0]);
+    let mut cache = cfg.new_cache(vec![0]);
     let mut len = 0;
     for event in &row.history {
         match event {
@@ -1203,7 +1183,7 @@ proptest! {
     }
 
     #[test]
-    fn affine_row_operations_match_the_model(
+    fn affine_row_operations_match_fresh_caches(
         cfg in cfg_strategy(AFFINE.to_vec()),
         (first, ops, seed) in sequence_strategy(),
     ) {
@@ -1250,14 +1230,10 @@ fn conversion_inside_a_round_survives_a_rollback_below_the_start() {
             slack: 8,
             start: 20,
         };
-        // Turbo fits each row's key preparation at conversion, on what the batch holds then
-        // (its width counts padding): unpadded rows convert at the same append as a fresh
-        // one-row cache does. Affine codes do not depend on when they convert.
-        let pads = if matches!(codec, Codec::Turbo { .. }) {
-            vec![0, 0]
-        } else {
-            vec![0, 3]
-        };
+        // Both codecs fit each row's key preparation at conversion, on what the batch holds
+        // then (its width counts padding): unpadded rows convert at the same append as a
+        // fresh one-row cache does.
+        let pads = vec![0, 0];
         let extra = 13 - pads.iter().max().unwrap();
         let (mut batch, mut cache) = batch_of(cfg, &pads, extra, 90 + c as u64);
         assert_eq!(cache.end(), 14);

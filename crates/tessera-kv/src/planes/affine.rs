@@ -5,18 +5,30 @@
 //! Inputs are rounded to bf16 before quantizing, so a position quantized on append and one
 //! converted later from bf16 storage hold the same codes bit for bit.
 //!
+//! Keys are stored centred: each (row, KV head) has a per-channel mean, fitted at the
+//! bf16-first conversion on the keys that row holds then ([`Planes::fit_key_prep`]; zero
+//! until fitted), subtracted before quantizing and added back by [`Planes::read`]. The
+//! fused reads score the centred keys as they are: a query's scores all move by the same
+//! `q · mean`, which softmax ignores. Why: a model whose keys carry a large per-channel
+//! offset (Qwen 2.5's key bias, rotated slowly by RoPE's low frequencies) spends each
+//! group's range on it, and 4-bit codes then lose the rest of the key (measured: KL 6.6
+//! against bf16 on Qwen2.5-Coder-1.5B uncentred, 0.026 centred; BENCHMARKS.md).
+//!
 //! State buffers: `[key codes (u32), key params (f16 scale, bias per group), value codes,
-//! value params]`, each `(rows, heads, capacity, …)`.
+//! value params, key means (f32, (rows, heads, head_dim))]`, each `(rows, heads, capacity,
+//! …)`; a state of four buffers (written before keys were centred) restores with zero
+//! means.
 
 use super::{
     check_span, check_state, copy_slots, from_bytes, same_kind, to_bytes, ChunkGeometry,
     PlaneGeometry, Planes, PlanesState, RowSlots,
 };
 use crate::codec::affine::{dequantize_group, quantize_group, GroupParams};
+use crate::codec::prep::ChannelPrep;
 use crate::read::affine_tiles;
 use crate::read::chunk;
 use crate::read::decode::DecodeShape;
-use crate::{Codec, Isa, KvError, MAX_CAPACITY};
+use crate::{Codec, Isa, KvError, TurboPrep, MAX_CAPACITY};
 use candle_core::{DType, Device, Tensor};
 use half::f16;
 use std::any::Any;
@@ -154,6 +166,8 @@ pub struct AffinePlanes {
     capacity: usize,
     keys: Plane,
     values: Plane,
+    /// Per (row, KV head) key means (see the module's doc).
+    key_prep: ChannelPrep,
 }
 
 /// `x` `(rows, heads, n, dim)` as f32 values rounded to bf16, row-major.
@@ -181,6 +195,7 @@ impl AffinePlanes {
             capacity: 0,
             keys: Plane::new(head_dim, bits, group),
             values: Plane::new(value_dim, bits, group),
+            key_prep: ChannelPrep::identity(rows * heads, head_dim, true, false),
         }
     }
 
@@ -215,20 +230,36 @@ impl AffinePlanes {
         )
     }
 
-    /// What a later read of `x` returns once stored: quantized and dequantized.
-    pub fn as_stored(&self, x: &Tensor) -> Result<Tensor, KvError> {
+    /// What a later read of `x` `(b, heads, n, dim)` returns once stored in rows `row ..
+    /// row + b`: quantized and dequantized, keys (`keys`) with those rows' means.
+    pub fn as_stored(&self, row: usize, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
         let (b, h, n, d) = x.dims4()?;
+        let identity = ChannelPrep::default();
+        let prep = if keys { &self.key_prep } else { &identity };
         let values = bf16_values(x)?;
         let mut plane = Plane::new(d, self.bits, self.group);
         plane.codes = vec![0; plane.words];
         plane.params = vec![f16::ZERO; plane.groups * 2];
         let mut out = vec![0f32; values.len()];
-        for (src, dst) in values.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let mut centred = vec![0f32; d];
+        for (i, (src, dst)) in values
+            .chunks_exact(d)
+            .zip(out.chunks_exact_mut(d))
+            .enumerate()
+        {
+            let block = (row + i / (n * h)) * self.heads + (i / n) % h;
+            prep.encode(block, src, &mut centred);
             plane.codes.iter_mut().for_each(|w| *w = 0);
-            plane.write(0, 1, 0, src, self.bits, self.group);
+            plane.write(0, 1, 0, &centred, self.bits, self.group);
             plane.read(0, 1, 0, dst, self.bits, self.group);
+            prep.decode(block, dst);
         }
         Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
+    }
+
+    /// The key means, `(rows, heads, head_dim)` row-major.
+    pub fn key_means(&self) -> &[f32] {
+        self.key_prep.tables().0.unwrap_or(&[])
     }
 }
 
@@ -260,6 +291,43 @@ impl Planes for AffinePlanes {
         )))
     }
 
+    fn adopt_row(
+        &mut self,
+        src: &dyn Planes,
+        src_row: usize,
+        dst_row: usize,
+    ) -> Result<(), KvError> {
+        let src = same_kind::<AffinePlanes>(src, self)?;
+        if src_row >= src.rows || dst_row >= self.rows {
+            return Err(KvError::Rows(format!(
+                "adopt row {src_row} of {} into row {dst_row} of {}",
+                src.rows, self.rows
+            )));
+        }
+        self.key_prep
+            .adopt(&src.key_prep, src_row, dst_row, self.heads);
+        Ok(())
+    }
+
+    fn fit_key_prep(
+        &mut self,
+        k: &Tensor,
+        live: &[Range<usize>],
+        _prep: TurboPrep,
+        _queries: Option<&[f32]>,
+    ) -> Result<(), KvError> {
+        let n = k.dims4()?.2;
+        if live.len() != self.rows {
+            return Err(KvError::RowCount {
+                given: live.len(),
+                rows: self.rows,
+            });
+        }
+        let x = bf16_values(k)?;
+        self.key_prep = ChannelPrep::fit(&x, self.heads, n, self.keys.dim, live, true, false, None);
+        Ok(())
+    }
+
     fn resizes_rows_in_place(&self) -> bool {
         true
     }
@@ -272,6 +340,7 @@ impl Planes for AffinePlanes {
             super::resize_rows(&mut p.codes, per_row * w, keep, added, 0);
             super::resize_rows(&mut p.params, per_row * g, keep, added, f16::ZERO);
         }
+        self.key_prep.resize_rows(self.heads, keep, added);
         self.rows = keep.len() + added;
         Ok(())
     }
@@ -300,15 +369,18 @@ impl Planes for AffinePlanes {
         let (kx, vx) = (bf16_values(k)?, bf16_values(v)?);
         let (dk, dv) = (self.keys.dim, self.values.dim);
         let first = rows.start * self.heads;
+        let mut centred = vec![0f32; dk];
         for local in 0..rows.len() * self.heads {
             let block = first + local;
             for i in 0..n {
                 let at = local * n + i;
+                self.key_prep
+                    .encode(block, &kx[at * dk..(at + 1) * dk], &mut centred);
                 self.keys.write(
                     block,
                     self.capacity,
                     slot + i,
-                    &kx[at * dk..(at + 1) * dk],
+                    &centred,
                     self.bits,
                     self.group,
                 );
@@ -334,19 +406,22 @@ impl Planes for AffinePlanes {
         check_span(self, &rows, slot, len)?;
         let first = rows.start * self.heads;
         let blocks = rows.len() * self.heads;
-        let plane = |p: &Plane| -> Result<Tensor, KvError> {
+        let identity = ChannelPrep::default();
+        let plane = |p: &Plane, prep: &ChannelPrep| -> Result<Tensor, KvError> {
             let mut out = vec![0f32; blocks * len * p.dim];
             for local in 0..blocks {
                 for i in 0..len {
                     let at = local * len + i;
+                    let row = &mut out[at * p.dim..(at + 1) * p.dim];
                     p.read(
                         first + local,
                         self.capacity,
                         slot + i,
-                        &mut out[at * p.dim..(at + 1) * p.dim],
+                        row,
                         self.bits,
                         self.group,
                     );
+                    prep.decode(first + local, row);
                 }
             }
             Ok(Tensor::from_vec(
@@ -355,7 +430,10 @@ impl Planes for AffinePlanes {
                 &Device::Cpu,
             )?)
         };
-        Ok((plane(&self.keys)?, plane(&self.values)?))
+        Ok((
+            plane(&self.keys, &self.key_prep)?,
+            plane(&self.values, &identity)?,
+        ))
     }
 
     fn copy_from(
@@ -418,6 +496,7 @@ impl Planes for AffinePlanes {
     fn allocated_bytes(&self) -> usize {
         (self.keys.codes.len() + self.values.codes.len()) * 4
             + (self.keys.params.len() + self.values.params.len()) * 2
+            + self.key_prep.bytes()
     }
 
     fn bytes_per_position(&self) -> usize {
@@ -436,12 +515,22 @@ impl Planes for AffinePlanes {
                 to_bytes(&self.keys.params),
                 to_bytes(&self.values.codes),
                 to_bytes(&self.values.params),
+                to_bytes(self.key_means()),
             ],
         })
     }
 
     fn restore(&mut self, state: &PlanesState) -> Result<(), KvError> {
-        check_state(self, state, 4)?;
+        // Four buffers: a state written before keys were centred (zero means).
+        let count = state.buffers.len().clamp(4, 5);
+        check_state(self, state, count)?;
+        let mut key_prep =
+            ChannelPrep::identity(self.rows * self.heads, self.keys.dim, true, false);
+        if let Some(means) = state.buffers.get(4) {
+            key_prep
+                .load(from_bytes(means, "affine key means")?, Vec::new())
+                .map_err(KvError::BadState)?;
+        }
         let blocks = (self.rows * self.heads)
             .checked_mul(state.capacity)
             .filter(|_| state.capacity <= MAX_CAPACITY)
@@ -460,7 +549,8 @@ impl Planes for AffinePlanes {
             }
         }
         let [keys, values] = planes;
-        (self.keys, self.values, self.capacity) = (keys, values, state.capacity);
+        (self.keys, self.values, self.capacity, self.key_prep) =
+            (keys, values, state.capacity, key_prep);
         Ok(())
     }
 
