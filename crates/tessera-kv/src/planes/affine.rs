@@ -3,7 +3,8 @@
 //! elements. Positions are quantized once, when written, and never requantized.
 //!
 //! Inputs are rounded to bf16 before quantizing, so a position quantized on append and one
-//! converted later from bf16 storage hold the same codes bit for bit.
+//! converted later from bf16 storage hold the same codes bit for bit (given its row's key
+//! means).
 //!
 //! Keys are stored centred: each (row, KV head) has a per-channel mean, fitted at the
 //! bf16-first conversion on the keys that row holds then ([`Planes::fit_key_prep`]; zero
