@@ -22,7 +22,8 @@
 #   serve8b tessera serve --device cuda, synthetic Llama-3-8B, bench/load.py at 1, 16, 64
 #           concurrent (openai wheels carried in .device/wheels), then bench --batch 1/16/64
 #           (SERVE8B_CONC: the concurrencies; SERVE8B_LOAD: load.py's prompt/output flags;
-#           SERVE8B_GEN: bench's --gen-tokens)
+#           SERVE8B_GEN: bench's --gen-tokens; SERVE8B_FLAGS: more serve flags; SERVE8B_BENCH=0
+#           skips the bench runs)
 #   budget8b  tessera serve --device cuda, synthetic Llama-3-8B, one --kv-budget (BUDGET8B_MIB,
 #           2048) for each scheme (BUDGET8B_KVS), 16 concurrent requests of ~4k-token prompts
 #           (BUDGET8B_LOAD: load.py's request flags): rows admitted and per-request speed
@@ -42,6 +43,11 @@
 #   graphrows  step graphs for every row count (--step-graph-rows 16) on batch 16: a tiny
 #           synthetic Llama with and without graphs, then under compute-sanitizer memcheck, then
 #           the synthetic 8B (GRAPHROWS_8B=0 skips it; GRAPHROWS_KV, affine:4)
+#   graphcheck  batch-16 decode on the tiny synthetic Llama (and the 8B unless GRAPHCHECK_8B=0)
+#           eager, then with step graphs up to 1, 4 and 16 rows: bench's tokens digest must
+#           match across them (GRAPHCHECK_KVS, "affine:4 bf16"); then compute-sanitizer memcheck
+#           of batch 1 (graphs at 1 row), batch 4 and batch 16 (graphs up to 16 rows), the
+#           first errors of each
 #   llamabuild  llama.cpp's CUDA build (carried source), in the background; llamawait waits
 #           for it (LLAMA_WAIT seconds at most); llamabench runs llama-bench on the synthetic 8B
 #           (LLAMA_KVS caches, LLAMA_DEPTHS, LLAMA_REPS)
@@ -152,6 +158,27 @@ for step in "$@"; do
           $T bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --batch 16 --depth 0 --prompt-tokens 512 --gen-tokens 32 --step-graph-rows $g 2>&1 | tail -3 | tee -a $OUT/graph-rows.txt || true
         done
       fi ;;
+    graphcheck)
+      log graphcheck; m=/tmp/llama-tiny-256.gguf
+      [ -f $m ] || $T model synth --arch llama --preset tiny-256 --dtype q4_0 --out $m
+      models=$m
+      if [ "${GRAPHCHECK_8B:-1}" = 1 ]; then
+        [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
+        models="$m /tmp/llama3-8b.gguf"
+      fi
+      for model in $models; do for kv in ${GRAPHCHECK_KVS:-affine:4 bf16}; do for g in none 1 4 16; do
+        if [ $g = none ]; then flags=--no-step-graphs; else flags="--step-graph-rows $g"; fi
+        r=$($T bench --model $model --device cuda --kv $kv --batch 16 --depth 0 --prompt-tokens 64 \
+          --gen-tokens 32 --repeat 1 $flags 2>&1 | grep -E 'decode|error' || true)
+        echo "-- $(basename $model) $kv $flags: $r" | tee -a $OUT/graph-check.txt
+      done; done; done
+      CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+      for spec in "1 1" "4 16" "16 16"; do set -- $spec
+        echo "-- memcheck, tiny, batch $1, --step-graph-rows $2" | tee -a $OUT/graph-check.txt
+        timeout 150 $CS --tool memcheck --print-limit 3 $T bench --model $m --device cuda --kv affine:4 \
+          --batch $1 --depth 0 --prompt-tokens 64 --gen-tokens 8 --repeat 1 --step-graph-rows $2 > /tmp/mc.txt 2>&1 || true
+        head -45 /tmp/mc.txt | tee -a $OUT/graph-check.txt; grep -E "ERROR SUMMARY|decode" /tmp/mc.txt | tee -a $OUT/graph-check.txt || true
+      done ;;
     greedy8b)
       # Each carried binary's greedy text and eval figures on the synthetic 8B (GREEDY_BINS,
       # "tessera-old tessera"): a kernel change that keeps the arithmetic must match them all.
@@ -223,7 +250,7 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --find-links .device/wheels --target /tmp/pylib openai
       export PYTHONPATH=/tmp/pylib
       $T serve --model /tmp/llama3-8b.gguf --device cuda --port 18080 --max-batch 64 \
-        --max-queue 256 2>$OUT/serve8b-server.txt & SP=$!
+        --max-queue 256 ${SERVE8B_FLAGS:-} 2>>$OUT/serve8b-server.txt & SP=$!
       python3 -c 'import time,urllib.request as u
 for _ in range(600):
     try: u.urlopen("http://127.0.0.1:18080/health", timeout=2); break
@@ -231,10 +258,10 @@ for _ in range(600):
       for c in ${SERVE8B_CONC:-1 16 64}; do
         python3 bench/load.py --base-url http://127.0.0.1:18080/v1 --corpus .device/text.txt \
           --concurrency $c --requests $(( c < 4 ? 4 : c )) ${SERVE8B_LOAD:---prompt-words 200 --max-tokens 64} \
-          --label "serve cuda" --metrics-url http://127.0.0.1:18080/metrics 2>&1 | tee -a $OUT/serve8b.txt
+          --label "serve cuda ${SERVE8B_FLAGS:-}" --metrics-url http://127.0.0.1:18080/metrics 2>&1 | tee -a $OUT/serve8b.txt
       done
       kill $SP; wait $SP || true
-      for c in ${SERVE8B_CONC:-1 16 64}; do
+      [ "${SERVE8B_BENCH:-1}" = 1 ] && for c in ${SERVE8B_CONC:-1 16 64}; do
         $T bench --model /tmp/llama3-8b.gguf --device cuda --batch $c --prompt-tokens 256 \
           --gen-tokens ${SERVE8B_GEN:-64} --repeat 1 2>&1 | tee -a $OUT/serve8b.txt
       done ;;

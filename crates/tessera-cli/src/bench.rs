@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use std::path::Path;
 use std::time::Instant;
 use tessera_engine::{
-    prompt_cache, Batch, BatchLimits, BatchTimes, GenerationRequest, SamplerConfig, Session,
+    prompt_cache, Batch, BatchLimits, BatchTimes, Event, GenerationRequest, SamplerConfig, Session,
     DEFAULT_PREFILL_CHUNK,
 };
 use tessera_kv::KvScheme;
@@ -91,14 +91,14 @@ fn decode_tokens(rows: usize, steps: usize) -> usize {
 /// Decode of `rows` requests at `depth` tokens of context: the context is read once (not
 /// timed) and every request resumes from a copy of it; once all rows run, one untimed
 /// step, then `steps` timed. Returns the batch's times over the timed steps, the running
-/// rows' KV bytes and the bytes one position costs.
+/// rows' KV bytes, the bytes one position costs and a digest of every token decoded.
 fn decode_times(
     model: &Model,
     scheme: &KvScheme,
     rows: usize,
     context: &[u32],
     steps: usize,
-) -> Result<(BatchTimes, usize, usize)> {
+) -> Result<(BatchTimes, usize, usize, u64)> {
     let mut session = Session::new(model, scheme, DEFAULT_PREFILL_CHUNK)?;
     let held = context.len() - 1;
     if held > 0 {
@@ -112,13 +112,14 @@ fn decode_times(
             .add_resumed(greedy(context.to_vec(), max_tokens), cache, held)
             .map_err(|refused| refused.error)?;
     }
+    let mut digest = TokenDigest::default();
     while batch.running() < rows {
-        batch.step()?;
+        digest.add(&batch.step()?);
     }
-    batch.step()?;
+    digest.add(&batch.step()?);
     let before = *batch.times();
     for _ in 0..steps {
-        batch.step()?;
+        digest.add(&batch.step()?);
     }
     let after = *batch.times();
     if batch.running() < rows {
@@ -135,7 +136,30 @@ fn decode_times(
         times,
         batch.kv_bytes_allocated(),
         session.cache().bytes_per_token(),
+        digest.0,
     ))
+}
+
+/// FNV-1a over the decoded tokens in event order (request, token): the same schedule decoded
+/// by two paths (eager steps against graphs, one build against another) must print the same.
+struct TokenDigest(u64);
+
+impl Default for TokenDigest {
+    fn default() -> Self {
+        TokenDigest(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl TokenDigest {
+    fn add(&mut self, events: &[Event]) {
+        for e in events {
+            if let Event::Token { id, token, .. } = e {
+                for b in id.to_le_bytes().into_iter().chain(token.to_le_bytes()) {
+                    self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+                }
+            }
+        }
+    }
 }
 
 pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result<()> {
@@ -178,7 +202,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         (rates.iter().map(|r| (r - prefill_tps).powi(2)).sum::<f64>() / rates.len() as f64).sqrt();
     // Decode: `depth` tokens of context first (not timed), then greedy steps.
     let context = synthetic_tokens(depth.max(1), model.vocab_size(), bos);
-    let (times, kv_allocated, kv_per_token) =
+    let (times, kv_allocated, kv_per_token, digest) =
         decode_times(&model, &scheme, batch, &context, gen_tokens)?;
     let elapsed = times.decode.as_secs_f64();
     let decode_tps = times.decode_rows as f64 / elapsed;
@@ -193,7 +217,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             serde_json::json!({
                 "model": model.architecture(), "device": margs.device, "isa": model.isa().to_string(), "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
                 "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps, "decode_step_ms": step_ms, "decode_submit_ms": submit_ms,
-                "peak_rss_bytes": rss, "kv_bytes_per_token": kv_per_token, "kv_allocated_bytes": kv_allocated,
+                "peak_rss_bytes": rss, "tokens_digest": format!("{digest:016x}"), "kv_bytes_per_token": kv_per_token, "kv_allocated_bytes": kv_allocated,
             })
         );
     } else {
@@ -208,7 +232,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up; all rows' prompts, read one after another)");
         println!(
             "decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth}; all rows; a \
-             step {step_ms:.2} ms, {submit_ms:.2} of them submitting)"
+             step {step_ms:.2} ms, {submit_ms:.2} of them submitting; tokens digest {digest:016x})"
         );
         println!(
             "peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated",
