@@ -1,8 +1,8 @@
 //! tessera-models' decode-step graphs ([`tessera_models::step_graph`]) on CUDA: stream
 //! capture of candle's stream, which carries the model's kernels and the cache's alike.
-//! Instantiated to free, at each launch, what the previous launch allocated and left
-//! allocated (the tensors that cross into the next graph or the cache): a replay then
-//! rewrites them at the same addresses.
+//! Each graph frees what it allocates (tessera-models copies a graph's outputs into
+//! ordinary buffers inside it); instantiated to free at each launch anything a previous
+//! launch left allocated all the same, so that a stray allocation cannot fail a replay.
 
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
 use candle_core::{Device, Result};

@@ -62,11 +62,9 @@ pub struct LoadOptions {
     /// ([`step_graph`]): everything but the KV cache's work captured once per row count and
     /// replayed; off, every step launches each kernel itself (to compare the two).
     pub step_graphs: bool,
-    /// The most rows a graphed decode step has; steps of more rows launch eagerly. One by
-    /// default: graphs of more rows hit illegal addresses on the H200 (2026-12-04). The
-    /// cause found since (strided views' dims and strides uploaded from host memory freed
-    /// before the replays read it) is fixed by [`step_graph::GraphBackend::cache_uploads`],
-    /// but not yet run on a GPU (`bench/device-run.sh graphrows`).
+    /// The most rows a graphed decode step has; steps of more rows launch eagerly (16 by
+    /// default: past that a step's launches are a small share of it). Each row count
+    /// captures its own graphs on its first step.
     pub step_graph_rows: usize,
 }
 
@@ -79,7 +77,7 @@ impl Default for LoadOptions {
             isa: Isa::detected(),
             device_weights: true,
             step_graphs: true,
-            step_graph_rows: 1,
+            step_graph_rows: 16,
         }
     }
 }

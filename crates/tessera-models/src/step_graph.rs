@@ -6,10 +6,14 @@
 //! then this layer's norm, projections and RoPE), with the layer's cache work between.
 //!
 //! Inputs a step changes (the ids' embeddings, the RoPE tables) are copied into buffers
-//! the graphs captured, and so is each layer's attention read; tensors that cross from one
-//! graph to the next or to the cache live in graph memory, at the addresses the capture
-//! gave them, rewritten by every replay. tessera-models defines the interface and stays
-//! CPU-only; tessera-kernels (feature `cuda`) implements it ([`install`]).
+//! the graphs captured, and so is each layer's attention read. What a graph hands on (to
+//! the cache's work, to the next graph) is copied, inside the graph, into ordinary buffers
+//! made before the capture ([`GraphOutput`]), so every allocation a graph makes is freed in
+//! that same graph: the driver may then share the graphs' memory among them, and nothing of
+//! a graph's memory outlives its launch (compute-sanitizer's memcheck reported writes past
+//! the allocations it knew when graph outputs stayed in graph memory between launches).
+//! tessera-models defines the interface and stays CPU-only; tessera-kernels (feature
+//! `cuda`) implements it ([`install`]).
 
 use candle_core::{Device, Result, Tensor};
 use std::sync::OnceLock;
@@ -55,38 +59,73 @@ pub(crate) fn backend(device: &Device) -> Option<&'static dyn GraphBackend> {
         .filter(|b| b.serves(device))
 }
 
+/// What a captured part hands on: tensors that must outlive the graph's own memory.
+pub(crate) trait GraphOutput: Sized {
+    /// Every tensor, in a fixed order.
+    fn tensors(&self) -> Vec<&Tensor>;
+    /// The same structure, each tensor replaced by `f` of it (in [`Self::tensors`]' order).
+    fn map(&self, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Self>;
+}
+
+impl GraphOutput for Tensor {
+    fn tensors(&self) -> Vec<&Tensor> {
+        vec![self]
+    }
+    fn map(&self, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        f(self)
+    }
+}
+
+impl<A: GraphOutput, B: GraphOutput> GraphOutput for (A, B) {
+    fn tensors(&self) -> Vec<&Tensor> {
+        let mut all = self.0.tensors();
+        all.extend(self.1.tensors());
+        all
+    }
+    fn map(&self, f: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok((self.0.map(f)?, self.1.map(f)?))
+    }
+}
+
 /// `f`'s work captured as a graph and launched once (so its outputs hold values); where the
 /// capture cannot begin or fails, `f` runs (again) as ordinary launches and no graph is
 /// returned. `f` runs once before the capture too, with uploads cached
 /// ([`GraphBackend::cache_uploads`]), so that the captured work finds every parameter it
-/// uploads already on the device. `f` must only queue device work (no cache state, nothing
-/// read back), so running it twice is only time.
-pub(crate) fn captured<T>(
+/// uploads already on the device; its outputs' shapes size the buffers, in ordinary memory,
+/// that the graph copies its outputs into before freeing all it allocated. `f` must only
+/// queue device work (no cache state, nothing read back), so running it twice is only time.
+pub(crate) fn captured<T: GraphOutput>(
     backend: &dyn GraphBackend,
     device: &Device,
     f: impl Fn() -> Result<T>,
 ) -> Result<(T, Option<Box<dyn DeviceGraph>>)> {
     let _uploads = backend.cache_uploads(device);
-    // The warm-up: its outputs are freed before the capture begins (a free recorded in a
+    // The warm-up, whose outputs are freed before the capture begins (a free recorded in a
     // graph must be of the graph's own memory).
-    drop(f()?);
+    let copy_out = |homes: &T, out: &T| -> Result<()> {
+        for (home, t) in homes.tensors().into_iter().zip(out.tensors()) {
+            copy_into(home, t)?;
+        }
+        Ok(())
+    };
+    let homes = {
+        let warm = f()?;
+        let homes = warm.map(&mut |t| Tensor::zeros(t.dims(), t.dtype(), t.device()))?;
+        // The copies upload their strided sources' parameters too.
+        copy_out(&homes, &warm)?;
+        homes
+    };
     if backend.begin(device).is_err() {
         return Ok((f()?, None));
     }
-    let out = f();
+    let out = f().and_then(|out| copy_out(&homes, &out));
     let graph = backend.end(device);
     match (out, graph) {
-        (Ok(out), Ok(graph)) => {
+        (Ok(()), Ok(graph)) => {
             graph.launch()?;
-            Ok((out, Some(graph)))
+            Ok((homes, Some(graph)))
         }
-        (Ok(out), Err(_)) => {
-            // Its tensors sit at addresses of a capture that was never instantiated:
-            // freeing them would be an error of its own, so they are left.
-            std::mem::forget(out);
-            Ok((f()?, None))
-        }
-        (Err(_), _) => Ok((f()?, None)),
+        _ => Ok((f()?, None)),
     }
 }
 

@@ -4,12 +4,14 @@
 //! ends with the logits. Each layer's cache work runs eagerly between two graphs.
 
 use super::{Decoder, Projected, Residual, Rope, StepInput};
-use crate::step_graph::{captured, copy_into, DeviceGraph, GraphBackend};
+use crate::step_graph::{captured, copy_into, DeviceGraph, GraphBackend, GraphOutput};
 use crate::{LogitsMode, ModelError};
 use candle_core::Tensor;
 use tessera_kv::KvCache;
 
-/// Row counts whose graphs are kept (the most recently used); each holds its own memory.
+/// Row counts whose graphs are kept at least (the most recently used; as many as
+/// `max_rows` where that is more): each holds its own memory, and a served batch's row
+/// count wanders, so keeping fewer than it visits would recapture on most joins.
 const KEPT: usize = 4;
 
 /// A row count's graphs, or the record that capturing them failed (its steps then run
@@ -47,15 +49,15 @@ impl StepGraphs {
     }
 }
 
-/// One row count's graphs and the tensors they read and write. The graphs come last so
-/// that the tensors in graph memory are freed before the graphs are destroyed.
+/// One row count's graphs and the tensors they read and write, all in ordinary memory
+/// (graph memory never outlives a graph's launch: [`captured`]).
 struct StepGraph {
     /// The step's inputs, rewritten before each replay: the ids' embeddings and the RoPE
     /// tables.
     x: Tensor,
     ropes: [Option<Rope>; 2],
     /// Layer `i`'s stream sum and projections, written by graph `i`. The sums are only
-    /// read by the graphs; they are held here so that their memory lives as long as them.
+    /// read by the graphs; they are held here so that their buffers live as long as them.
     #[allow(dead_code)]
     sums: Vec<Tensor>,
     projected: Vec<Projected>,
@@ -63,6 +65,22 @@ struct StepGraph {
     attended: Vec<Tensor>,
     logits: Tensor,
     graphs: Vec<Box<dyn DeviceGraph>>,
+}
+
+impl GraphOutput for Projected {
+    fn tensors(&self) -> Vec<&Tensor> {
+        vec![&self.q, &self.k, &self.v]
+    }
+    fn map(
+        &self,
+        f: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
+        Ok(Projected {
+            q: f(&self.q)?,
+            k: f(&self.k)?,
+            v: f(&self.v)?,
+        })
+    }
 }
 
 impl Decoder {
@@ -88,7 +106,7 @@ impl Decoder {
             };
         }
         let (graph, logits) = self.capture_step(backend, input, cache, mode)?;
-        if graphs.by_rows.len() == KEPT {
+        if graphs.by_rows.len() >= KEPT.max(graphs.max_rows) {
             graphs.by_rows.remove(0);
         }
         let entry = match graph {
