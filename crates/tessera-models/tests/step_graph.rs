@@ -1,7 +1,8 @@
 //! The decode step's graph path (`step_graph`, `decoder/graphed.rs`) on the CPU, through a
 //! stand-in backend: capturing runs the work as it is queued (the CPU has no capture), so
 //! the step that captures must give exactly the eager step's logits, part by part wired as
-//! the eager walk; a backend that refuses every capture must leave every step exactly as
+//! the eager walk and each part's outputs copied into buffers of their own (one row, and
+//! three, whose q and k are strided views); a backend that refuses every capture must leave every step exactly as
 //! eager and be asked once per row count (so must one whose captures cannot begin); a
 //! replay launches every graph of the step; every capture begins with the backend's upload
 //! cache on.
@@ -79,15 +80,25 @@ impl GraphBackend for StandIn {
 
 /// `steps` decode steps after a prefill of `prompt`, on a fresh cache: each step's logits.
 fn decode(model: &Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
+    decode_rows(model, prompt, steps, 1)
+}
+
+/// The same for `rows` rows at once (row `r`'s prompt shifted by `r` in the vocabulary):
+/// each step's logits, all rows'. Past one row, q and k are strided views of one
+/// projection, so a graph's outputs are copied out of views.
+fn decode_rows(model: &Model, prompt: &[u32], steps: usize, rows: usize) -> Vec<Vec<f32>> {
     let dev = Device::Cpu;
     let scheme = KvScheme::parse("bf16").unwrap();
-    let mut cache = KvCache::new(&model.layer_specs(), &scheme, vec![0]).unwrap();
-    let ids = Tensor::from_slice(prompt, (1, prompt.len()), &dev).unwrap();
+    let mut cache = KvCache::new(&model.layer_specs(), &scheme, vec![0; rows]).unwrap();
+    let prompts: Vec<u32> = (0..rows as u32)
+        .flat_map(|r| prompt.iter().map(move |t| t + r))
+        .collect();
+    let ids = Tensor::from_slice(&prompts, (rows, prompt.len()), &dev).unwrap();
     model.forward(&ids, &mut cache, LogitsMode::Last).unwrap();
-    let mut token = 7u32;
+    let mut tokens = vec![7u32; rows];
     let mut out = Vec::new();
     for _ in 0..steps {
-        let ids = Tensor::new(&[[token]], &dev).unwrap();
+        let ids = Tensor::from_slice(&tokens, (rows, 1), &dev).unwrap();
         let logits: Vec<f32> = model
             .forward(&ids, &mut cache, LogitsMode::Last)
             .unwrap()
@@ -95,9 +106,13 @@ fn decode(model: &Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
             .unwrap()
             .to_vec1()
             .unwrap();
-        token = (0..logits.len())
-            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
-            .unwrap() as u32;
+        let vocab = logits.len() / rows;
+        for (r, t) in tokens.iter_mut().enumerate() {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            *t = (0..vocab)
+                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                .unwrap() as u32;
+        }
         out.push(logits);
     }
     out
@@ -176,6 +191,18 @@ fn graph_path_computes_the_eager_step_and_falls_back_on_a_refused_capture() {
             "{arch}: a replay"
         );
 
+        // Three rows: the capturing step is the eager step exactly, its outputs copied out
+        // of strided views; one more row count's parts captured.
+        model.set_step_graphs(false);
+        let eager3 = decode_rows(&model, &prompt, 1, 3);
+        model.set_step_graphs(true);
+        assert_eq!(
+            decode_rows(&model, &prompt, 1, 3),
+            eager3,
+            "{arch}: the capturing step of 3 rows"
+        );
+        assert_eq!(counts.begins.load(Ordering::SeqCst), 3 * parts, "{arch}");
+
         // Every capture began with the upload cache on, and none is left on.
         assert_eq!(counts.uncached_begins.load(Ordering::SeqCst), 0, "{arch}");
         assert_eq!(counts.caching.load(Ordering::SeqCst), 0, "{arch}");
@@ -183,7 +210,7 @@ fn graph_path_computes_the_eager_step_and_falls_back_on_a_refused_capture() {
         // Off, nothing is asked of the backend.
         model.set_step_graphs(false);
         assert_eq!(decode(&model, &prompt, 2), eager[..2], "{arch}: graphs off");
-        assert_eq!(counts.begins.load(Ordering::SeqCst), 2 * parts, "{arch}");
+        assert_eq!(counts.begins.load(Ordering::SeqCst), 3 * parts, "{arch}");
         counts.begins.store(0, Ordering::SeqCst);
         counts.ends.store(0, Ordering::SeqCst);
         counts.launches.store(0, Ordering::SeqCst);
