@@ -286,6 +286,21 @@ pub fn keeps_in_place(keep: &[usize], rows: usize) -> bool {
     })
 }
 
+/// Refuses an [`Planes::adopt_row`] of a row either side does not hold.
+pub(crate) fn check_adopt(
+    src_row: usize,
+    src_rows: usize,
+    dst_row: usize,
+    dst_rows: usize,
+) -> Result<(), KvError> {
+    if src_row >= src_rows || dst_row >= dst_rows {
+        return Err(KvError::Rows(format!(
+            "adopt row {src_row} of {src_rows} into row {dst_row} of {dst_rows}"
+        )));
+    }
+    Ok(())
+}
+
 /// Refuses a `keep` that [`keeps_in_place`] does not take.
 pub(crate) fn check_keep(keep: &[usize], rows: usize) -> Result<(), KvError> {
     if !keeps_in_place(keep, rows) {

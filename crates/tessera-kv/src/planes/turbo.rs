@@ -504,12 +504,7 @@ impl Planes for TurboPlanes {
         dst_row: usize,
     ) -> Result<(), KvError> {
         let src = same_kind::<TurboPlanes>(src, self)?;
-        if src_row >= src.rows || dst_row >= self.rows {
-            return Err(KvError::Rows(format!(
-                "adopt row {src_row} of {} into row {dst_row} of {}",
-                src.rows, self.rows
-            )));
-        }
+        super::check_adopt(src_row, src.rows, dst_row, self.rows)?;
         self.prep_tables(src.prep());
         self.key_prep
             .adopt(&src.key_prep, src_row, dst_row, self.heads);
