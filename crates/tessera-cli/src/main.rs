@@ -53,8 +53,8 @@ pub struct ModelArgs {
     #[arg(long)]
     pub no_step_graphs: bool,
     /// On a GPU, the most rows a decode step replayed as graphs has; steps of more rows
-    /// launch every kernel (each row count captures its own graphs; the last max(4, N)
-    /// used are kept).
+    /// launch every kernel (each row count captures its own graphs; those of the last N
+    /// row counts used are kept, at least 4 and at most 32).
     #[arg(long, default_value_t = 16)]
     pub step_graph_rows: usize,
     /// On a GPU, synchronize around each KV cache write and decode read and print their

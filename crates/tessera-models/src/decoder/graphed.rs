@@ -9,10 +9,12 @@ use crate::{LogitsMode, ModelError};
 use candle_core::Tensor;
 use tessera_kv::KvCache;
 
-/// Row counts whose graphs are kept at least (the most recently used; as many as
-/// `max_rows` where that is more): each holds its own memory, and a served batch's row
-/// count wanders, so keeping fewer than it visits would recapture on most joins.
+/// Row counts whose graphs are kept (the most recently used): as many as `max_rows`, since a
+/// served batch's row count wanders and keeping fewer than it visits would recapture on
+/// most joins, but at least [`KEPT`] and at most [`MOST_KEPT`]: each row count holds its own
+/// buffers (an 8B's at 16 rows ≈ 30 MB).
 const KEPT: usize = 4;
+const MOST_KEPT: usize = 32;
 
 /// A row count's graphs, or the record that capturing them failed (its steps then run
 /// eagerly).
@@ -106,7 +108,7 @@ impl Decoder {
             };
         }
         let (graph, logits) = self.capture_step(backend, input, cache, mode)?;
-        if graphs.by_rows.len() >= KEPT.max(graphs.max_rows) {
+        if graphs.by_rows.len() >= graphs.max_rows.clamp(KEPT, MOST_KEPT) {
             graphs.by_rows.remove(0);
         }
         let entry = match graph {
