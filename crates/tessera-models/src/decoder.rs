@@ -512,6 +512,9 @@ struct Projected {
     q: Tensor, // (b, heads, n, head_dim)
     k: Tensor, // (b, kv_heads, n, head_dim)
     v: Tensor, // (b, kv_heads, n, value_dim)
+    /// `(b, heads + kv_heads, n, head_dim)`, where `q` and `k` are its views (roped as one):
+    /// a step graph copies it out whole, in one launch (views of several rows are strided).
+    qk: Option<Tensor>,
 }
 
 impl Attention {
@@ -529,7 +532,7 @@ impl Attention {
         };
         let bias = self.qkv_bias.as_ref();
         let missing = || candle_core::Error::Msg("attention needs three projections".into());
-        let (x, q, k, v) = match &self.qk_norm {
+        let (x, q, k, v, qk) = match &self.qk_norm {
             // Heads of one width: the stacked output is transposed to heads-major once, and
             // q|k (roped as one) and v are views of it. A prefill chunk makes one copy of
             // q|k|v rather than a reshape copy and a transpose copy of q|k and of v each.
@@ -542,7 +545,8 @@ impl Attention {
                 let q = qk.narrow(1, 0, self.heads)?;
                 let k = qk.narrow(1, self.heads, self.kv_heads)?;
                 let v = qkv.narrow(1, heads, self.kv_heads)?.contiguous()?;
-                return Ok((x, Projected { q, k, v }));
+                let qk = Some(qk);
+                return Ok((x, Projected { q, k, v, qk }));
             }
             None => {
                 let (x, parts) = self.qkv.forward_normed(s, norm, bias, &[2, 1])?;
@@ -550,18 +554,19 @@ impl Attention {
                 let heads = self.heads + self.kv_heads;
                 let qk = rope.apply(&split(qk, heads, self.head_dim)?)?;
                 let q = qk.narrow(1, 0, self.heads)?;
-                (x, q, qk.narrow(1, self.heads, self.kv_heads)?, v)
+                let k = qk.narrow(1, self.heads, self.kv_heads)?;
+                (x, q, k, v, Some(qk))
             }
             Some((qn, kn)) => {
                 let (x, parts) = self.qkv.forward_normed(s, norm, bias, &[1, 1, 1])?;
                 let [q, k, v]: [Tensor; 3] = parts.try_into().map_err(|_| missing())?;
                 let q = rope.apply(&qn.forward(&split(q, self.heads, self.head_dim)?)?)?;
                 let k = rope.apply(&kn.forward(&split(k, self.kv_heads, self.head_dim)?)?)?;
-                (x, q, k, v)
+                (x, q, k, v, None)
             }
         };
         let v = split(v, self.kv_heads, self.value_dim)?;
-        Ok((x, Projected { q, k, v }))
+        Ok((x, Projected { q, k, v, qk }))
     }
 
     fn output(&self, attended: &Tensor) -> candle_core::Result<Tensor> {

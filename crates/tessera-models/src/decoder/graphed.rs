@@ -71,17 +71,34 @@ struct StepGraph {
 
 impl GraphOutput for Projected {
     fn tensors(&self) -> Vec<&Tensor> {
-        vec![&self.q, &self.k, &self.v]
+        match &self.qk {
+            Some(qk) => vec![qk, &self.v],
+            None => vec![&self.q, &self.k, &self.v],
+        }
     }
     fn map(
         &self,
         f: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<Self> {
-        Ok(Projected {
-            q: f(&self.q)?,
-            k: f(&self.k)?,
-            v: f(&self.v)?,
-        })
+        match &self.qk {
+            // q and k as the same views of the mapped q|k.
+            Some(qk) => {
+                let qk = f(qk)?;
+                let (heads, kv_heads) = (self.q.dims()[1], self.k.dims()[1]);
+                Ok(Projected {
+                    q: qk.narrow(1, 0, heads)?,
+                    k: qk.narrow(1, heads, kv_heads)?,
+                    v: f(&self.v)?,
+                    qk: Some(qk),
+                })
+            }
+            None => Ok(Projected {
+                q: f(&self.q)?,
+                k: f(&self.k)?,
+                v: f(&self.v)?,
+                qk: None,
+            }),
+        }
     }
 }
 
