@@ -43,11 +43,12 @@
 #   graphrows  step graphs for every row count (--step-graph-rows 16) on batch 16: a tiny
 #           synthetic Llama with and without graphs, then under compute-sanitizer memcheck, then
 #           the synthetic 8B (GRAPHROWS_8B=0 skips it; GRAPHROWS_KV, affine:4)
-#   graphcheck  batch-16 decode on the tiny synthetic Llama (and the 8B unless GRAPHCHECK_8B=0)
+#   graphcheck  batch-16 decode on the tiny synthetic Llama, a synthetic Qwen 3 0.6B (and the 8B
+#           unless GRAPHCHECK_8B=0)
 #           eager, then with step graphs up to 1, 4 and 16 rows: bench's tokens digest must
 #           match across them (GRAPHCHECK_KVS, "affine:4 bf16"); then compute-sanitizer memcheck
 #           of batch 1 (graphs at 1 row), batch 4 and batch 16 (graphs up to 16 rows), the
-#           first errors of each
+#           first errors of each (tiny Llama and Qwen 3)
 #   llamabuild  llama.cpp's CUDA build (carried source), in the background; llamawait waits
 #           for it (LLAMA_WAIT seconds at most); llamabench runs llama-bench on the synthetic 8B
 #           (LLAMA_KVS caches, LLAMA_DEPTHS, LLAMA_REPS)
@@ -159,12 +160,14 @@ for step in "$@"; do
         done
       fi ;;
     graphcheck)
-      log graphcheck; m=/tmp/llama-tiny-256.gguf
+      # Llama's q and k leave a graph as views of one q|k, Qwen 3's (QK-norm) as their own.
+      log graphcheck; m=/tmp/llama-tiny-256.gguf; q3=/tmp/qwen3-0.6b.gguf
       [ -f $m ] || $T model synth --arch llama --preset tiny-256 --dtype q4_0 --out $m
-      models=$m
+      [ -f $q3 ] || $T model synth --arch qwen3 --preset qwen3-0.6b --dtype q4_0 --out $q3
+      models="$m $q3"
       if [ "${GRAPHCHECK_8B:-1}" = 1 ]; then
         [ -f /tmp/llama3-8b.gguf ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out /tmp/llama3-8b.gguf
-        models="$m /tmp/llama3-8b.gguf"
+        models="$models /tmp/llama3-8b.gguf"
       fi
       for model in $models; do for kv in ${GRAPHCHECK_KVS:-affine:4 bf16}; do for g in none 1 4 16; do
         if [ $g = none ]; then flags=--no-step-graphs; else flags="--step-graph-rows $g"; fi
@@ -173,12 +176,12 @@ for step in "$@"; do
         echo "-- $(basename $model) $kv $flags: $r" | tee -a $OUT/graph-check.txt
       done; done; done
       CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
-      for spec in "1 1" "4 16" "16 16"; do set -- $spec
-        echo "-- memcheck, tiny, batch $1, --step-graph-rows $2" | tee -a $OUT/graph-check.txt
-        timeout 150 $CS --tool memcheck --print-limit 3 $T bench --model $m --device cuda --kv affine:4 \
+      for model in $m $q3; do for spec in "1 1" "4 16" "16 16"; do set -- $spec
+        echo "-- memcheck, $(basename $model), batch $1, --step-graph-rows $2" | tee -a $OUT/graph-check.txt
+        timeout 150 $CS --tool memcheck --print-limit 3 $T bench --model $model --device cuda --kv affine:4 \
           --batch $1 --depth 0 --prompt-tokens 64 --gen-tokens 8 --repeat 1 --step-graph-rows $2 > /tmp/mc.txt 2>&1 || true
         head -45 /tmp/mc.txt | tee -a $OUT/graph-check.txt; grep -E "ERROR SUMMARY|decode" /tmp/mc.txt | tee -a $OUT/graph-check.txt || true
-      done ;;
+      done; done ;;
     greedy8b)
       # Each carried binary's greedy text and eval figures on the synthetic 8B (GREEDY_BINS,
       # "tessera-old tessera"): a kernel change that keeps the arithmetic must match them all.
