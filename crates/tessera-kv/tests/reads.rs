@@ -148,32 +148,18 @@ impl StoredModel {
         match (self.codec, self.quantized) {
             (Codec::Plain(dtype), _) => rounded(x, dtype),
             (_, false) => rounded(x, PlainDType::Bf16),
-            (Codec::Affine { .. }, true) => {
-                assert_eq!(self.affine.len(), x.dims()[0], "one fitted row per row");
-                let rows: Vec<Tensor> = self
-                    .affine
-                    .iter()
-                    .enumerate()
-                    .map(|(r, planes)| {
-                        planes
-                            .as_stored(0, &x.narrow(0, r, 1).unwrap(), keys)
-                            .unwrap()
-                    })
-                    .collect();
-                flat(Tensor::cat(&rows, 0).unwrap())
-            }
-            (Codec::Turbo { .. }, true) => {
-                assert_eq!(self.turbo.len(), x.dims()[0], "one fitted row per row");
-                let rows: Vec<Tensor> = self
-                    .turbo
-                    .iter()
-                    .enumerate()
-                    .map(|(r, planes)| {
-                        planes
-                            .as_stored(0, &x.narrow(0, r, 1).unwrap(), keys)
-                            .unwrap()
-                    })
-                    .collect();
+            (codec, true) => {
+                // Each row through its own fitted planes.
+                let row = |r: usize| x.narrow(0, r, 1).unwrap();
+                let rows: Vec<Tensor> = match codec {
+                    Codec::Affine { .. } => (self.affine.iter().enumerate())
+                        .map(|(r, p)| p.as_stored(0, &row(r), keys).unwrap())
+                        .collect(),
+                    _ => (self.turbo.iter().enumerate())
+                        .map(|(r, p)| p.as_stored(0, &row(r), keys).unwrap())
+                        .collect(),
+                };
+                assert_eq!(rows.len(), x.dims()[0], "one fitted row per row");
                 flat(Tensor::cat(&rows, 0).unwrap())
             }
         }

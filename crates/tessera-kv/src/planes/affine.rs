@@ -21,8 +21,8 @@
 //! means.
 
 use super::{
-    check_span, check_state, copy_slots, from_bytes, same_kind, to_bytes, ChunkGeometry,
-    PlaneGeometry, Planes, PlanesState, RowSlots,
+    bf16_values, check_span, check_state, copy_slots, from_bytes, same_kind, to_bytes,
+    ChunkGeometry, PlaneGeometry, Planes, PlanesState, RowSlots,
 };
 use crate::codec::affine::{dequantize_group, quantize_group, GroupParams};
 use crate::codec::prep::ChannelPrep;
@@ -30,7 +30,7 @@ use crate::read::affine_tiles;
 use crate::read::chunk;
 use crate::read::decode::DecodeShape;
 use crate::{Codec, Isa, KvError, TurboPrep, MAX_CAPACITY};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use half::f16;
 use std::any::Any;
 use std::ops::Range;
@@ -171,14 +171,6 @@ pub struct AffinePlanes {
     key_prep: ChannelPrep,
 }
 
-/// `x` `(rows, heads, n, dim)` as f32 values rounded to bf16, row-major.
-fn bf16_values(x: &Tensor) -> Result<Vec<f32>, KvError> {
-    Ok(x.to_dtype(DType::BF16)?
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1()?)
-}
-
 impl AffinePlanes {
     pub fn new(
         bits: u8,
@@ -234,28 +226,16 @@ impl AffinePlanes {
     /// What a later read of `x` `(b, heads, n, dim)` returns once stored in rows `row ..
     /// row + b`: quantized and dequantized, keys (`keys`) with those rows' means.
     pub fn as_stored(&self, row: usize, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
-        let (b, h, n, d) = x.dims4()?;
         let identity = ChannelPrep::default();
         let prep = if keys { &self.key_prep } else { &identity };
-        let values = bf16_values(x)?;
-        let mut plane = Plane::new(d, self.bits, self.group);
+        let mut plane = Plane::new(x.dims4()?.3, self.bits, self.group);
         plane.codes = vec![0; plane.words];
         plane.params = vec![f16::ZERO; plane.groups * 2];
-        let mut out = vec![0f32; values.len()];
-        let mut centred = vec![0f32; d];
-        for (i, (src, dst)) in values
-            .chunks_exact(d)
-            .zip(out.chunks_exact_mut(d))
-            .enumerate()
-        {
-            let block = (row + i / (n * h)) * self.heads + (i / n) % h;
-            prep.encode(block, src, &mut centred);
+        super::as_stored_by(x, row, self.heads, prep, |prepared, out| {
             plane.codes.iter_mut().for_each(|w| *w = 0);
-            plane.write(0, 1, 0, &centred, self.bits, self.group);
-            plane.read(0, 1, 0, dst, self.bits, self.group);
-            prep.decode(block, dst);
-        }
-        Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
+            plane.write(0, 1, 0, prepared, self.bits, self.group);
+            plane.read(0, 1, 0, out, self.bits, self.group);
+        })
     }
 
     /// The key means, `(rows, heads, head_dim)` row-major.

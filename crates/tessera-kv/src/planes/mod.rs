@@ -179,10 +179,11 @@ pub trait Planes: std::fmt::Debug + Send + Sync + Any {
         dst_slot: usize,
         len: usize,
     ) -> Result<(), KvError>;
-    /// Turbo planes: fits each row's key preparation on `k` `(rows, heads, n, head_dim)` (what
-    /// the bf16 stage holds at conversion), over the slots `live[row]` of each row, the
-    /// scales weighted by the queries' mean squares `queries` (`heads × head_dim`) where
-    /// the layer has seen any, before anything is written. Other codecs ignore it.
+    /// Fits each row's key preparation on `k` `(rows, heads, n, head_dim)` (what the bf16
+    /// stage holds at conversion), over the slots `live[row]` of each row, before anything
+    /// is written: turbo planes their `prep`, the scales weighted by the queries' mean
+    /// squares `queries` (`heads × head_dim`) where the layer has seen any; affine planes
+    /// their key means alone. Plain planes ignore it.
     fn fit_key_prep(
         &mut self,
         k: &Tensor,
@@ -284,6 +285,41 @@ pub fn keeps_in_place(keep: &[usize], rows: usize) -> bool {
         }
         fresh
     })
+}
+
+/// `x` `(rows, heads, n, dim)` as f32 values rounded to bf16, row-major.
+pub(crate) fn bf16_values(x: &Tensor) -> Result<Vec<f32>, KvError> {
+    Ok(x.to_dtype(candle_core::DType::BF16)?
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1()?)
+}
+
+/// What reads return once `x` `(b, heads, n, dim)` is stored from row `row` on: each head
+/// vector prepared with its (row, head)'s block of `prep`, coded and decoded by `code`
+/// (prepared vector in, decoded vector out), the preparation then undone.
+pub(crate) fn as_stored_by(
+    x: &Tensor,
+    row: usize,
+    heads: usize,
+    prep: &crate::codec::prep::ChannelPrep,
+    mut code: impl FnMut(&[f32], &mut [f32]),
+) -> Result<Tensor, KvError> {
+    let (b, h, n, d) = x.dims4()?;
+    let values = bf16_values(x)?;
+    let mut out = vec![0f32; values.len()];
+    let mut prepared = vec![0f32; d];
+    for (i, (src, dst)) in values
+        .chunks_exact(d)
+        .zip(out.chunks_exact_mut(d))
+        .enumerate()
+    {
+        let block = (row + i / (n * h)) * heads + (i / n) % h;
+        prep.encode(block, src, &mut prepared);
+        code(&prepared, dst);
+        prep.decode(block, dst);
+    }
+    Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
 }
 
 /// Refuses an [`Planes::adopt_row`] of a row either side does not hold.

@@ -5,8 +5,8 @@
 //! quantizing on append and converting bf16 storage later store the same codes.
 
 use super::{
-    check_span, check_state, copy_slots, from_bytes, same_kind, to_bytes, ChunkGeometry,
-    PlaneGeometry, Planes, PlanesState, RowSlots,
+    bf16_values, check_span, check_state, copy_slots, from_bytes, same_kind, to_bytes,
+    ChunkGeometry, PlaneGeometry, Planes, PlanesState, RowSlots,
 };
 use crate::codec::affine::put_code;
 use crate::codec::pairs::{PairBook, PAIR_BITS};
@@ -15,7 +15,7 @@ use crate::codec::turbo::{Codebook, Rotation};
 use crate::read::decode::DecodeShape;
 use crate::read::{chunk, turbo_tiles};
 use crate::{Codec, Isa, KvError, TurboPrep, MAX_CAPACITY};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use half::f16;
 use std::any::Any;
 use std::ops::Range;
@@ -237,13 +237,6 @@ pub struct TurboPlanes {
     pairs: bool,
 }
 
-fn bf16_values(x: &Tensor) -> Result<Vec<f32>, KvError> {
-    Ok(x.to_dtype(DType::BF16)?
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1()?)
-}
-
 impl TurboPlanes {
     pub fn new(
         kbits: u8,
@@ -324,32 +317,21 @@ impl TurboPlanes {
     /// What a later read of `x` `(1, heads, n, dim)` returns once stored in row `row`:
     /// encoded and decoded with that row's preparation.
     pub fn as_stored(&self, row: usize, x: &Tensor, keys: bool) -> Result<Tensor, KvError> {
-        let (b, h, n, d) = x.dims4()?;
+        let identity = ChannelPrep::default();
         let (src, prep) = if keys {
             (&self.keys, &self.key_prep)
         } else {
-            (&self.values, &ChannelPrep::default())
+            (&self.values, &identity)
         };
         let mut plane = TurboPlane {
             codes: vec![0; src.words],
             norms: vec![f16::ZERO],
             ..src.clone()
         };
-        let values = bf16_values(x)?;
-        let mut out = vec![0f32; values.len()];
-        let mut prepared = vec![0f32; d];
-        for (i, (s, o)) in values
-            .chunks_exact(d)
-            .zip(out.chunks_exact_mut(d))
-            .enumerate()
-        {
-            let block = (row + i / (n * h)) * self.heads + (i / n) % h;
-            prep.encode(block, s, &mut prepared);
-            plane.write(0, &prepared);
-            plane.read(0, o);
-            prep.decode(block, o);
-        }
-        Ok(Tensor::from_vec(out, (b, h, n, d), x.device())?)
+        super::as_stored_by(x, row, self.heads, prep, |prepared, out| {
+            plane.write(0, prepared);
+            plane.read(0, out);
+        })
     }
 
     /// The key preparation tables an adoption writes into: sized for every row.
