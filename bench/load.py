@@ -39,16 +39,42 @@ async def one(client, model, prompt, max_tokens):
     return first, itl, tokens, time.perf_counter() - t0
 
 
-def running_rows(metrics_url):
-    """tessera_requests_running from a Prometheus /metrics page (None if unreadable)."""
+def scrape(metrics_url):
+    """Every unlabelled sample of a Prometheus /metrics page ({} if unreadable)."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=5) as r:
+            samples = {}
             for line in r.read().decode().splitlines():
-                if line.startswith("tessera_requests_running "):
-                    return float(line.split()[1])
-    except OSError:
-        return None
-    return None
+                name, _, value = line.partition(" ")
+                if line and not line.startswith("#") and "{" not in name:
+                    samples[name] = float(value)
+            return samples
+    except (OSError, ValueError):
+        return {}
+
+
+def running_rows(metrics_url):
+    """tessera_requests_running from a Prometheus /metrics page (None if unreadable)."""
+    return scrape(metrics_url).get("tessera_requests_running")
+
+
+def engine_figures(before, after, wall):
+    """What tessera's own counters say of the run: its mean decode step and rows a step, its
+    mean inter-token latency, and the share of the wall time the engine spent in prefill,
+    decode and row moves (the rest: its bookkeeping, HTTP and idle). Empty for another
+    server."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps = d.get("tessera_decode_steps_total", 0)
+    itl = d.get("tessera_inter_token_latency_seconds_count", 0)
+    if not steps:
+        return {}
+    busy = sum(d.get(k, 0.0) for k in ("tessera_decode_seconds_total",
+               "tessera_prefill_seconds_total", "tessera_row_moves_seconds_total"))
+    return {"engine_step_ms": 1e3 * d["tessera_decode_seconds_total"] / steps,
+            "engine_rows_mean": d.get("tessera_decode_row_steps_total", 0) / steps,
+            "engine_itl_mean_ms": 1e3 * d["tessera_inter_token_latency_seconds_sum"] / itl
+            if itl else None,
+            "engine_busy": busy / wall}
 
 
 async def sample_rows(metrics_url, seen, stop):
@@ -74,6 +100,7 @@ async def run(args, concurrency, words):
             return await one(client, args.model, p, args.max_tokens)
 
     rows, stop = [], asyncio.Event()
+    before = scrape(args.metrics_url) if args.metrics_url else {}
     sampler = args.metrics_url and asyncio.create_task(sample_rows(args.metrics_url, rows, stop))
     t0 = time.perf_counter()
     results = await asyncio.gather(*(guarded(p) for p in prompts))
@@ -81,6 +108,7 @@ async def run(args, concurrency, words):
     if sampler:
         stop.set()
         await sampler
+    engine = engine_figures(before, scrape(args.metrics_url), wall) if args.metrics_url else {}
     ttft = [r[0] for r in results if r[0] is not None]
     itl = [x for r in results for x in r[1]]
     out = sum(r[2] for r in results)
@@ -90,7 +118,7 @@ async def run(args, concurrency, words):
             # Per request: its stream's speed, tokens after the first over first to last.
             "per_request_tok_s": statistics.mean(
                 (r[2] - 1) / (r[3] - r[0]) for r in results if r[0] is not None and r[3] > r[0]),
-            "rows_max": max(rows) if rows else None}
+            "rows_max": max(rows) if rows else None, **engine}
 
 
 def main():
