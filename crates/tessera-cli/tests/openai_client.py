@@ -226,6 +226,13 @@ def main() -> None:
         raise AssertionError("a wrong key was accepted")
     models = client.models.list()
     out["model"] = models.data[0].id
+    assert client.models.retrieve(out["model"]).id == out["model"]
+    try:
+        client.models.retrieve("no-such-model")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404 and e.code == "model_not_found", e
+    else:
+        raise AssertionError("an unknown model was found")
 
     print(json.dumps(out))
 

@@ -49,6 +49,19 @@ fn health_models_and_api_key() {
     assert_eq!(v["data"][0]["object"], "model");
     let name = v["data"][0]["id"].as_str().unwrap();
     assert!(name.contains("gemma-3-270m"), "{v}");
+    // One model by its id, as the list gives it; another id is 404.
+    let r = server.request("GET", &format!("/v1/models/{name}"), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json(), v["data"][0]);
+    let v = assert_error(&server.request("GET", "/v1/models/gpt-4o", None), 404);
+    assert_eq!(v["error"]["code"], "model_not_found");
+    let r = server.request_with(
+        "GET",
+        &format!("/v1/models/{name}"),
+        None,
+        Some("Bearer nope"),
+    );
+    assert_error(&r, 401);
 
     let body = completion(PROMPT, 2).to_string();
     for auth in [None, Some("Bearer wrong"), Some(KEY)] {

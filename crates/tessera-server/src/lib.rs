@@ -17,7 +17,7 @@ pub mod metrics;
 pub mod openai;
 
 use axum::body::{Body as HttpBody, Bytes};
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -186,6 +186,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .fallback(|| async { ApiError::not_found("no such route") })
@@ -222,20 +223,41 @@ fn check_key(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
+/// The served model as OpenAI lists it.
+fn model_object(state: &AppState) -> Value {
+    json!({
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "tessera",
+    })
+}
+
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if let Err(e) = check_key(&state, &headers) {
         return e.into_response();
     }
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.model_name,
-            "object": "model",
-            "created": state.started,
-            "owned_by": "tessera",
-        }],
-    }))
-    .into_response()
+    Json(json!({"object": "list", "data": [model_object(&state)]})).into_response()
+}
+
+/// `GET /v1/models/{id}` (the openai client's `models.retrieve`): the served model, or 404.
+async fn model(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(e) = check_key(&state, &headers) {
+        return e.into_response();
+    }
+    if id != state.model_name {
+        return ApiError::not_found(format!(
+            "The model '{id}' does not exist; this server serves '{}'",
+            state.model_name
+        ))
+        .with_code("model_not_found")
+        .into_response();
+    }
+    Json(model_object(&state)).into_response()
 }
 
 /// The sampler the request's fields ask for, validated by the engine's own rules (its

@@ -137,7 +137,14 @@ impl ChatMessage {
                 out
             }
         };
-        Ok(tessera_engine::chat::Message::new(self.role, content))
+        // OpenAI's name for system instructions to newer models; chat templates know
+        // `system` only (Qwen 2.5's drops any role it does not know, silently).
+        let role = if self.role == "developer" {
+            "system".to_string()
+        } else {
+            self.role
+        };
+        Ok(tessera_engine::chat::Message::new(role, content))
     }
 }
 
@@ -542,6 +549,26 @@ mod tests {
 
     fn body(s: &str) -> Body {
         Body::parse(s.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn a_developer_message_is_a_system_one_and_text_parts_join() {
+        let m: Vec<ChatMessage> = serde_json::from_str(
+            r#"[{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null}]"#,
+        )
+        .unwrap();
+        let m: Vec<_> = m.into_iter().map(|m| m.text().unwrap()).collect();
+        let pairs: Vec<(&str, &str)> = m
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str()))
+            .collect();
+        assert_eq!(
+            pairs,
+            [("system", "Be brief."), ("user", "ab"), ("assistant", "")]
+        );
     }
 
     #[test]
