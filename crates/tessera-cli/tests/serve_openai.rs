@@ -495,3 +495,58 @@ fn logprob_bytes_spell_the_reply_with_a_byte_level_vocabulary() {
         assert_eq!(t["token"], t["top_logprobs"][0]["token"], "{t}");
     }
 }
+
+/// Two request fields other clients send, on an instruct model that ends its replies: a
+/// `developer` message is the `system` one (the same prompt, the same greedy reply), and
+/// `ignore_eos` (vLLM's and llama-server's, from load generators) decodes past the end of
+/// the reply up to `max_tokens`, the reply's tokens unchanged before it.
+#[test]
+fn developer_messages_are_system_ones_and_ignore_eos_runs_to_max_tokens() {
+    let qwen = model()
+        .parent()
+        .unwrap()
+        .join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        qwen.exists(),
+        "{qwen:?} is missing: tessera model fetch qwen2.5-coder-0.5b-instruct"
+    );
+    let server = Server::start_with(&qwen, &[]);
+    let chat = |role: &str, extra: Value| {
+        let mut body = json!({"messages": [
+                {"role": role, "content": "Answer in one short sentence."},
+                {"role": "user", "content": "Say hi"}],
+            "max_tokens": 40, "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let system = chat("system", json!({}));
+    let developer = chat("developer", json!({}));
+    assert_eq!(
+        developer["usage"]["prompt_tokens"],
+        system["usage"]["prompt_tokens"]
+    );
+    let reply = system["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(developer["choices"][0]["message"]["content"], reply);
+    assert_eq!(system["choices"][0]["finish_reason"], "stop", "{system}");
+    let ended = system["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(ended < 40, "{system}");
+
+    let longer = chat("system", json!({"ignore_eos": true}));
+    assert_eq!(longer["choices"][0]["finish_reason"], "length", "{longer}");
+    assert_eq!(longer["usage"]["completion_tokens"], 40);
+    let text = longer["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        text.starts_with(reply) && text.len() > reply.len(),
+        "{text:?} after {reply:?}"
+    );
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": 1}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["param"], "ignore_eos");
+}

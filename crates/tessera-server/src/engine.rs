@@ -47,6 +47,8 @@ pub struct Job {
     pub stops: Vec<String>,
     /// `Some(k)`: every token's logprob and the `k` most likely tokens at its step.
     pub logprobs: Option<usize>,
+    /// The model's end-of-sequence tokens do not end a choice (`ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 /// A request: its prompts (choices are numbered prompt by prompt, `n` each, as OpenAI
@@ -533,7 +535,11 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
                         prompt: prompt.clone(),
                         max_tokens,
                         sampler,
-                        stop_tokens: stops.clone(),
+                        stop_tokens: if job.ignore_eos {
+                            Vec::new()
+                        } else {
+                            stops.clone()
+                        },
                         stop_strings: job.stops.clone(),
                         logprobs: job.logprobs,
                     };

@@ -367,6 +367,7 @@ async fn completions(
                 sampler: sampler.clone(),
                 stops: sampling.stop.clone(),
                 logprobs,
+                ignore_eos: sampling.ignore_eos,
             })
             .collect();
         let answer = Answer {
@@ -427,6 +428,7 @@ async fn chat_completions(
             sampler,
             stops: sampling.stop.clone(),
             logprobs: want.then(|| top.unwrap_or(0)),
+            ignore_eos: sampling.ignore_eos,
         };
         let answer = Answer {
             endpoint: Endpoint::Chat,

@@ -206,6 +206,9 @@ pub struct Sampling {
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's and llama-server's extension, which load generators send: the model's
+    /// end-of-sequence tokens do not end the choice, `max_tokens` does.
+    pub ignore_eos: bool,
 }
 
 impl Sampling {
@@ -266,6 +269,7 @@ impl Sampling {
             n: n as usize,
             stream,
             include_usage,
+            ignore_eos: body.get::<bool>("ignore_eos")?.unwrap_or(false),
         })
     }
 }
