@@ -243,11 +243,16 @@ pub fn verify_token(p: &Dist, q: &Dist, token: u32, sampler: &mut Sampler) -> Re
     if pt >= qt || (pt > 0.0 && sampler.uniform() * qt < pt) {
         return Ok(());
     }
+    // q by id, so the residual is one pass (a draft model's q may hold the whole vocabulary).
+    let mut q_by_id = vec![0f32; q.ids.iter().max().map_or(0, |&m| m as usize + 1)];
+    for (&id, &qq) in q.ids.iter().zip(&q.probs) {
+        q_by_id[id as usize] = qq;
+    }
     let residual: Vec<f32> = p
         .ids
         .iter()
         .zip(&p.probs)
-        .map(|(&id, &pp)| (pp - q.prob(id)).max(0.0))
+        .map(|(&id, &pp)| (pp - q_by_id.get(id as usize).copied().unwrap_or(0.0)).max(0.0))
         .collect();
     let total: f32 = residual.iter().sum();
     if total <= 0.0 {

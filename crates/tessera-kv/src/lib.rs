@@ -36,7 +36,7 @@ pub use codec::prep::QueryMoments;
 pub use error::KvError;
 pub use isa::Isa;
 pub use layer::{AttentionCache, DonorRows, LayerCache};
-pub use read::AttentionRead;
+pub use read::{exp_nonpositive, AttentionRead};
 pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep};
 pub use state::{CacheState, LayerState, STATE_VERSION};
 

@@ -114,7 +114,7 @@ pub(crate) fn exponentiate(scores: &mut [f32], g: usize, n: usize) -> (Vec<f32>,
 /// `expf` is a call per score and was 15–20% of a decode read). Below −87 the result is
 /// that of −87 (≈ 1.6e-38), which a softmax sum cannot tell from 0.
 #[inline(always)]
-pub(crate) fn exp_nonpositive(x: f32) -> f32 {
+pub fn exp_nonpositive(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     let x = x.max(-87.0);

@@ -16,6 +16,7 @@ pub(crate) mod turbo_tiles;
 use crate::planes::{ChunkGeometry, Planes, PlanesRef, RowSlots};
 use crate::{Isa, KvError};
 use candle_core::Tensor;
+pub use decode::exp_nonpositive;
 pub(crate) use dense::{attend_dense, chunk_mask, mask_of, slots_mask};
 
 /// Where a read's keys and values come from.
