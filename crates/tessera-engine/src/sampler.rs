@@ -258,7 +258,7 @@ fn filtered(logits: &[f32], c: &SamplerConfig) -> Dist {
 /// `e^((l − max) / t)` of every logit: at AVX2 with FMA where the CPU has them (without,
 /// each `mul_add` of the exponential is a library call: 5 ms a row at 262k ids), the same
 /// bits either way (a fused multiply-add is exact in both).
-fn weights_of(logits: &[f32], t: f32) -> Vec<f32> {
+pub(crate) fn weights_of(logits: &[f32], t: f32) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has the features the function is compiled for.
