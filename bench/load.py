@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A load run against any OpenAI-compatible server, with the official `openai` client under
 asyncio: N concurrent streaming completions of fresh prompts (distinct text per request, so
-no server can reuse another's prefix), greedy, fixed output length. Prints output tokens/s,
+no server can reuse another's prefix), greedy unless --temperature, fixed output length. Prints output tokens/s,
 time to first token and inter-token latency (p50/p99) as one JSON line per concurrency.
 
     python3 bench/load.py --base-url http://127.0.0.1:8080/v1 --corpus TEXT --concurrency 1 4 16 \
@@ -19,11 +19,11 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def one(client, model, prompt, max_tokens):
+async def one(client, model, prompt, max_tokens, temperature):
     t0 = time.perf_counter()
     first, stamps, n = None, [], 0
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
         stream_options={"include_usage": True})
     usage = None
     async for chunk in stream:
@@ -97,7 +97,7 @@ async def run(args, concurrency, words):
 
     async def guarded(p):
         async with sem:
-            return await one(client, args.model, p, args.max_tokens)
+            return await one(client, args.model, p, args.max_tokens, args.temperature)
 
     rows, stop = [], asyncio.Event()
     before = scrape(args.metrics_url) if args.metrics_url else {}
@@ -112,7 +112,8 @@ async def run(args, concurrency, words):
     ttft = [r[0] for r in results if r[0] is not None]
     itl = [x for r in results for x in r[1]]
     out = sum(r[2] for r in results)
-    return {"concurrency": concurrency, "requests": len(results), "output_tok_s": out / wall,
+    return {"concurrency": concurrency, "requests": len(results), "temperature": args.temperature,
+            "output_tok_s": out / wall,
             "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "wall_s": wall,
             # Per request: its stream's speed, tokens after the first over first to last.
@@ -130,6 +131,8 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-words", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above it the sampler runs (as most clients' default of 1)")
     ap.add_argument("--label", default="")
     ap.add_argument("--metrics-url", default="",
                     help="tessera's /metrics: sample how many rows decode together")
