@@ -20,16 +20,7 @@ TOK="$OUT/tokenizer-$(basename "$MODEL" .gguf)"
 [ -d "$TOK" ] || "$VENV/bin/python" -c 'import sys, os
 from transformers import AutoTokenizer
 AutoTokenizer.from_pretrained(os.path.dirname(sys.argv[1]), gguf_file=os.path.basename(sys.argv[1])).save_pretrained(sys.argv[2])' "$MODEL" "$TOK"
-pid=
-stop() { [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; pid=; }
-trap stop EXIT
-up() {
-  for _ in $(seq 1 240); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && return 0
-    sleep 0.5
-  done
-  echo "server did not come up" >&2; return 1
-}
+. bench/servers.sh
 run() {  # label, streams
   "$VENV/bin/guidellm" run --backend "kind=openai_http,target=http://127.0.0.1:$PORT,request_format=/v1/completions" \
     --profile "kind=concurrent,streams=$2" \

@@ -14,16 +14,7 @@ LLAMA_SERVER=${LLAMA_SERVER:-/root/llamacpp/llama_cpp_python-0.3.36/vendor/llama
 MODEL=${MODEL:-$HOME/.cache/tessera/models/gemma-3-270m-q4_k_m.gguf}
 CORPUS=${CORPUS:-../shared/corpus/pride-and-prejudice.txt}
 PORT=${PORT:-18080}
-pid=
-stop() { [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; pid=; }
-trap stop EXIT
-up() {
-  for _ in $(seq 1 240); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && return 0
-    sleep 0.5
-  done
-  echo "server did not come up" >&2; return 1
-}
+. bench/servers.sh
 load() { python3 bench/load.py --base-url "http://127.0.0.1:$PORT/v1" --corpus "$CORPUS" "$@"; }
 
 echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p') nproc=$(nproc)"

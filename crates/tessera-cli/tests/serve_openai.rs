@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{completion, generate_greedy, model, sse_events, Response, Server, KEY};
+use common::{completion, generate_greedy, model, qwen, sse_events, Response, Server, KEY};
 use serde_json::{json, Value};
 use std::io::Read;
 use std::net::TcpStream;
@@ -464,14 +464,7 @@ fn a_client_leaving_mid_stream_frees_its_row_and_the_other_stream_goes_on() {
 /// the reply's UTF-8 even where a token holds part of a character.
 #[test]
 fn logprob_bytes_spell_the_reply_with_a_byte_level_vocabulary() {
-    let qwen = model()
-        .parent()
-        .unwrap()
-        .join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert!(
-        qwen.exists(),
-        "{qwen:?} is missing: tessera model fetch qwen2.5-coder-0.5b-instruct"
-    );
+    let qwen = qwen();
     let server = Server::start_with(&qwen, &[]);
     let r = server.post(
         "/v1/chat/completions",
@@ -502,14 +495,7 @@ fn logprob_bytes_spell_the_reply_with_a_byte_level_vocabulary() {
 /// the reply up to `max_tokens`, the reply's tokens unchanged before it.
 #[test]
 fn developer_messages_are_system_ones_and_ignore_eos_runs_to_max_tokens() {
-    let qwen = model()
-        .parent()
-        .unwrap()
-        .join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert!(
-        qwen.exists(),
-        "{qwen:?} is missing: tessera model fetch qwen2.5-coder-0.5b-instruct"
-    );
+    let qwen = qwen();
     let server = Server::start_with(&qwen, &[]);
     let chat = |role: &str, extra: Value| {
         let mut body = json!({"messages": [

@@ -147,12 +147,7 @@ fn sampling_and_a_draft_model_speculate_and_report() {
 
 #[test]
 fn a_draft_model_of_another_vocabulary_is_refused() {
-    let qwen = tessera_engine::store::tessera_home()
-        .join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert!(
-        qwen.exists(),
-        "run `tessera model fetch qwen2.5-coder-0.5b-instruct`"
-    );
+    let qwen = common::qwen();
     let (code, _, err) = tessera(&[
         "generate",
         "--model",

@@ -34,6 +34,18 @@ pub fn model() -> PathBuf {
         .unwrap_or_else(tessera_engine::store::default_model_path)
 }
 
+/// Qwen2.5-Coder-0.5B-Instruct (a byte-level vocabulary and a ChatML template of its own),
+/// which `.ci/run` fetches.
+pub fn qwen() -> PathBuf {
+    let path = tessera_engine::store::models_dir().join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert!(
+        path.exists(),
+        "{} is missing: run `tessera model fetch qwen2.5-coder-0.5b-instruct`",
+        path.display()
+    );
+    path
+}
+
 /// A running `tessera serve`, killed (by its pid) on drop.
 pub struct Server {
     pub child: Child,
