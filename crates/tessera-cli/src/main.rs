@@ -57,6 +57,11 @@ pub struct ModelArgs {
     /// row counts used are kept, at least 4 and at most 32).
     #[arg(long, default_value_t = 16)]
     pub step_graph_rows: usize,
+    /// On a GPU, keep the KV cache's writes and reads out of the step graphs (they run
+    /// between per-layer graphs) instead of capturing each decode step whole where the
+    /// cache keeps its positions in device memory, to compare.
+    #[arg(long)]
+    pub no_live_step_graphs: bool,
     /// On a GPU, synchronize around each KV cache write and decode read and print their
     /// mean times to stderr every 4096 calls (a diagnostic: it slows the run).
     #[arg(long)]

@@ -9,7 +9,7 @@
 //! keys and values of one width. Other codecs get an error naming them when the cache is
 //! first used on the device.
 
-use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Scratch, TurboDevice};
+use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Plan, Scratch, TurboDevice};
 use crate::dependent::DependentLaunch;
 use crate::PLANES_CU;
 use anyhow::{anyhow, Context};
@@ -88,6 +88,8 @@ struct Kernels {
     /// The decode reads' partial states, shared by every layer (the reads run in stream
     /// order; the lock is held from a read's first launch to its last).
     scratch: Mutex<Option<Scratch>>,
+    /// Changes whenever `scratch` is replaced (a captured live read holds its address).
+    scratch_generation: AtomicU64,
     /// Whether writes and decode reads are timed ([`CudaBackend::profiled`]).
     profile: bool,
 }
@@ -154,6 +156,7 @@ impl CudaBackend {
             turbo_decode: module.load_function("turbo_decode_rows")?,
             copy: module.load_function("copy_blocks")?,
             scratch: Mutex::new(None),
+            scratch_generation: AtomicU64::new(next_generation()),
             profile: self.profile,
         });
         *slot = Some(k.clone());
@@ -245,6 +248,30 @@ struct CudaPlanes {
     planes: Option<GpuPlanes>,
     turbo: Option<TurboState>,
     means: Option<KeyMeans>,
+    /// Changes whenever a device buffer of these planes may have been replaced (a
+    /// captured live step holds their addresses): from [`next_generation`], so no two
+    /// planes share one.
+    generation: u64,
+    /// The spans of live decode steps ([`Planes::live_spans`]).
+    live: Option<Live>,
+}
+
+/// Live decode steps' positions in device memory (decode.cu's `Spans::live`: the read's
+/// chunk, then `(start, slot)` per row), and what they hold once the queued steps have run;
+/// the plan their reads launch with.
+struct Live {
+    desc: CudaSlice<i32>,
+    /// What the last `live_spans` set, and what the device holds after the step.
+    sets: Vec<i32>,
+    holds: Vec<i32>,
+    plan: Plan,
+    group: usize,
+}
+
+/// A number no earlier call returned.
+fn next_generation() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// An affine layer's key means (tessera-kv's affine.rs centres keys): tessera-kv's host
@@ -420,6 +447,8 @@ impl CudaPlanes {
             planes: None,
             turbo,
             means,
+            generation: next_generation(),
+            live: None,
         };
         planes.refresh_means()?;
         Ok(planes)
@@ -523,6 +552,8 @@ impl CudaPlanes {
 
     /// Encodes keys and values `(rows, heads, n, d)` into rows `row0 ..`, slots `slot ..` of
     /// `planes`: bf16 and affine rows in one launch, turbo rows in one a plane.
+    /// With `live` (a live step: `(start, slot)` per row in device memory), each row is
+    /// written at its own slot there, and `slot` is not used.
     fn encode(
         &self,
         keys: &Tensor,
@@ -530,6 +561,7 @@ impl CudaPlanes {
         planes: &mut GpuPlanes,
         slot: usize,
         row0: usize,
+        live: Option<&CudaSlice<i32>>,
     ) -> Result<(), KvError> {
         let (b, h, n, d) = keys.dims4()?;
         if values.dims() != keys.dims() {
@@ -553,6 +585,9 @@ impl CudaPlanes {
         let mut cv = planes.v.slice_mut(first * vw..);
         let mut pv = planes.vp.slice_mut(first * vpw..);
         if let Some(t) = &self.turbo {
+            if live.is_some() {
+                return Err(KvError::Device("a live step on turbo planes".into()));
+            }
             let geometry = (b * h, n, d);
             let at = (cap, slot, row0);
             self.turbo_encode(&keys, geometry, &mut ck, &mut pk, at, 0, t)?;
@@ -572,6 +607,7 @@ impl CudaPlanes {
             }
             None => None,
         };
+        let live = live.map(|l| l.slice(2 * row0..));
         with_f32(&keys, |ks, k_offset| {
             with_f32(&values, |vs, v_offset| {
                 let (ks, vs) = (ks.slice(k_offset..), vs.slice(v_offset..));
@@ -588,6 +624,11 @@ impl CudaPlanes {
                     Some(m) => l.input(m),
                     None => l.long(0),
                 };
+                match &live {
+                    Some(live) => l.input(live),
+                    None => l.long(0),
+                };
+                l.int(h as i32);
                 // bf16: a thread per word; affine: a warp per group; grid.y: the plane.
                 let lanes = if bits == 0 { 1 } else { 32 };
                 let mut cfg = grid(b * h * n as usize * per_row * lanes);
@@ -940,6 +981,7 @@ impl Planes for CudaPlanes {
             return Ok(());
         }
         let capacity = grown_capacity(slots, limit);
+        self.generation = next_generation();
         let mut grown = self.alloc(capacity).map_err(device_error)?;
         if let Some(old) = &self.planes {
             self.copy_into(old, &mut grown).map_err(device_error)?;
@@ -975,6 +1017,7 @@ impl Planes for CudaPlanes {
         dst_row: usize,
     ) -> Result<(), KvError> {
         let src = self.same_kind(src)?;
+        self.generation = next_generation();
         if let (Some(m), Some(from)) = (&mut self.means, &src.means) {
             m.host.adopt_row(from.host.as_ref(), src_row, dst_row)?;
             return self.refresh_means();
@@ -998,6 +1041,7 @@ impl Planes for CudaPlanes {
             )));
         }
         let rows = keep.len() + added;
+        self.generation = next_generation();
         self.resize_rows_now(keep, rows).map_err(device_error)?;
         self.geometry.rows = rows;
         if let Some(t) = &mut self.turbo {
@@ -1078,6 +1122,7 @@ impl Planes for CudaPlanes {
         prep: TurboPrep,
         queries: Option<&[f32]>,
     ) -> Result<(), KvError> {
+        self.generation = next_generation();
         if let Some(m) = &mut self.means {
             m.host.fit_key_prep(k, live, prep, queries)?;
             return self.refresh_means();
@@ -1132,6 +1177,108 @@ impl Planes for CudaPlanes {
         }
         let pads: Vec<usize> = geometry.rows.iter().map(|r| r.pad).collect();
         self.chunk_now(q, &pads, start, scale)
+    }
+
+    fn serves_live(&self) -> bool {
+        // Turbo reads rotate the query in a launch of their own; not yet live.
+        self.turbo.is_none() && self.planes.is_some()
+    }
+
+    fn live_identity(&self, spans: &[(usize, usize)], query_heads: usize) -> Option<u64> {
+        let (plan, g) = self.live_plan(spans, query_heads).ok()?;
+        Some(self.live_hash(&plan, g))
+    }
+
+    fn live_spans(&mut self, spans: &[(usize, usize)], query_heads: usize) -> Result<u64, KvError> {
+        let (plan, g) = self.live_plan(spans, query_heads)?;
+        let k = self.kernels.clone();
+        {
+            let planes = self.planes()?;
+            let mut scratch = k.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            if !scratch.as_ref().is_some_and(|s| s.fits(&plan, planes, g)) {
+                *scratch = Some(k.read.scratch(&plan, planes, g).map_err(device_error)?);
+                k.scratch_generation
+                    .store(next_generation(), Ordering::Relaxed);
+            }
+        }
+        let want: Vec<i32> = std::iter::once(plan.chunk as i32)
+            .chain(spans.iter().flat_map(|&(a, s)| [a as i32, s as i32]))
+            .collect();
+        let stream = &k.read.stream;
+        match &mut self.live {
+            Some(live) if live.holds == want => {}
+            Some(live) if live.desc.len() == want.len() => {
+                stream
+                    .memcpy_htod(&want, &mut live.desc)
+                    .map_err(device_error)?;
+            }
+            _ => {
+                let desc = stream.clone_htod(&want).map_err(device_error)?;
+                self.generation = next_generation();
+                self.live = Some(Live {
+                    desc,
+                    sets: Vec::new(),
+                    holds: Vec::new(),
+                    plan,
+                    group: g,
+                });
+            }
+        }
+        let live = self
+            .live
+            .as_mut()
+            .ok_or_else(|| KvError::Device("live spans not kept".into()))?;
+        // What the step leaves there: every slot advanced.
+        live.holds = want
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| if i > 0 && i % 2 == 0 { x + 1 } else { x })
+            .collect();
+        live.sets = want;
+        live.plan = plan;
+        live.group = g;
+        Ok(self.live_hash(&plan, g))
+    }
+
+    fn live_rewind(&mut self) -> Result<(), KvError> {
+        let stream = &self.kernels.read.stream;
+        let live = self
+            .live
+            .as_mut()
+            .ok_or_else(|| KvError::Device("a live rewind before any live spans".into()))?;
+        stream
+            .memcpy_htod(&live.sets, &mut live.desc)
+            .map_err(device_error)
+    }
+
+    fn live_step(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor, KvError> {
+        let geo = self.geometry;
+        let (b, qh, n, d) = q.dims4()?;
+        let (kb, kh, kn, _) = k.dims4()?;
+        let Some(mut live) = self.live.take() else {
+            return Err(KvError::Device("a live step before its spans".into()));
+        };
+        if b != geo.rows
+            || n != 1
+            || d != geo.head_dim
+            || qh != geo.heads * live.group
+            || (kb, kh, kn) != (b, geo.heads, 1)
+        {
+            self.live = Some(live);
+            return Err(KvError::QueryShape {
+                got: q.dims().to_vec(),
+                detail: format!("a live CUDA step over {geo:?} given keys {:?}", k.dims()),
+            });
+        }
+        let done = self.live_now(&mut live, q, k, v, scale);
+        self.live = Some(live);
+        done
     }
 
     fn allocated_bytes(&self) -> usize {
@@ -1201,6 +1348,7 @@ impl Planes for CudaPlanes {
     }
 
     fn restore(&mut self, state: &PlanesState) -> Result<(), KvError> {
+        self.generation = next_generation();
         let count = match self.gpu {
             GpuCodec::Bf16 => 2,
             // Five with the key means; four from a state written before keys were centred.
@@ -1339,7 +1487,7 @@ impl CudaPlanes {
             .planes
             .take()
             .ok_or_else(|| KvError::Device("write before reserve".into()))?;
-        let done = self.encode(k, v, &mut planes, slot, rows.start);
+        let done = self.encode(k, v, &mut planes, slot, rows.start, None);
         self.planes = Some(planes);
         done
     }
@@ -1420,6 +1568,94 @@ impl CudaPlanes {
         Ok(Some(wrap(k, out, &[b, qh, n, d])))
     }
 
+    /// How a live step at `spans` reads: `(plan, query heads per KV head)`, the plan an
+    /// ordinary read of the same spans has, so that both give the same bits. Its splits are
+    /// a captured graph's (part of the identity); its chunk travels in device memory.
+    fn live_plan(
+        &self,
+        spans: &[(usize, usize)],
+        query_heads: usize,
+    ) -> Result<(Plan, usize), KvError> {
+        let geo = self.geometry;
+        let planes = self.planes()?;
+        if !self.serves_live()
+            || spans.len() != geo.rows
+            || query_heads % geo.heads.max(1) != 0
+            || spans
+                .iter()
+                .any(|&(start, slot)| start > slot || slot >= planes.capacity)
+        {
+            return Err(KvError::Device(format!(
+                "live spans {spans:?} for {query_heads} query heads over {geo:?} of {} slots",
+                planes.capacity
+            )));
+        }
+        let g = query_heads / geo.heads;
+        let longest = spans.iter().map(|&(a, s)| s + 1 - a).max().unwrap_or(0);
+        let plan = self
+            .kernels
+            .read
+            .plan(None, planes, g, longest)
+            .map_err(device_error)?;
+        Ok((plan, g))
+    }
+
+    /// The identity [`Planes::live_spans`] returns: what a captured live step holds.
+    fn live_hash(&self, plan: &Plan, g: usize) -> u64 {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut h = DefaultHasher::new();
+        let scratch = self.kernels.scratch_generation.load(Ordering::Relaxed);
+        (self.generation, scratch, plan.splits, plan.variant, g).hash(&mut h);
+        h.finish()
+    }
+
+    /// A live step: the append at each row's slot, then the read, its merge advancing the
+    /// slots (the spans and the plan as [`Planes::live_spans`] left them).
+    fn live_now(
+        &mut self,
+        live: &mut Live,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor, KvError> {
+        let mut planes = self
+            .planes
+            .take()
+            .ok_or_else(|| KvError::Device("a live step before reserve".into()))?;
+        let written = self.encode(k, v, &mut planes, 0, 0, Some(&live.desc));
+        self.planes = Some(planes);
+        written?;
+        let planes = self.planes()?;
+        let (b, qh, _, d) = q.dims4()?;
+        let q = f32_storage(q)?;
+        let kernels = &self.kernels;
+        let out = with_f32(&q, |qs, offset| {
+            let qs = qs.slice(offset..);
+            let read = &kernels.read;
+            let mut scratch = kernels.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            let scratch = scratch
+                .as_mut()
+                .filter(|s| s.fits(&live.plan, planes, live.group))
+                .context("the live read's scratch, sized by its spans, was replaced")?;
+            // SAFETY: the merge writes every element of `out` before anything reads it.
+            let mut out = unsafe { read.stream.alloc::<f32>(b * qh * d)? };
+            read.decode(
+                &live.plan,
+                planes,
+                live.group,
+                &qs,
+                scale,
+                &[],
+                Some(&mut live.desc),
+                scratch,
+                &mut out,
+            )?;
+            Ok(out)
+        })?;
+        Ok(wrap(kernels, out, &[b, qh, 1, d]))
+    }
+
     fn decode_now(
         &self,
         q: &Tensor,
@@ -1446,11 +1682,13 @@ impl CudaPlanes {
             let mut scratch = k.scratch.lock().unwrap_or_else(|e| e.into_inner());
             if !scratch.as_ref().is_some_and(|s| s.fits(&plan, planes, g)) {
                 *scratch = Some(read.scratch(&plan, planes, g)?);
+                k.scratch_generation
+                    .store(next_generation(), Ordering::Relaxed);
             }
             let scratch = scratch.as_mut().expect("just made");
             // SAFETY: the merge writes every element of `out` before anything reads it.
             let mut out = unsafe { read.stream.alloc::<f32>(b * qh * d)? };
-            read.decode(&plan, planes, g, &qs, scale, spans, scratch, &mut out)?;
+            read.decode(&plan, planes, g, &qs, scale, spans, None, scratch, &mut out)?;
             Ok(out)
         })?;
         Ok(wrap(k, out, &[b, qh, 1, d]))

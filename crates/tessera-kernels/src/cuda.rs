@@ -6,8 +6,8 @@ use crate::{plan_splits, DECODE_CU};
 use anyhow::{bail, Context, Result};
 use candle_core::cuda_backend::cudarc;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -169,7 +169,7 @@ impl GpuPlanes {
 }
 
 /// Which partial kernel a read runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Variant {
     /// CUDA cores: 8 elements per lane, scores reduced over a row's lanes.
     Simt,
@@ -190,13 +190,15 @@ impl Variant {
 /// the partial kernel once per run of rows.
 const SPAN_ROWS: usize = 256;
 
-/// decode.cu's `struct Spans`: the positions each row of a launch attends, passed by value.
+/// decode.cu's `struct Spans`: the positions each row of a launch attends, passed by value,
+/// or (`live`, a device pointer) read from device memory.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Spans {
     row0: i32,
     start: [i32; SPAN_ROWS],
     end: [i32; SPAN_ROWS],
+    live: u64,
 }
 
 // SAFETY: plain integers, laid out as the kernels' `struct Spans`.
@@ -537,6 +539,10 @@ impl DecodeRead {
     /// `out (batch, kv_heads·g, d) = softmax(scale · q·Kᵀ)·V`, row b over its stored
     /// positions `spans[b] = (start, end)`, for `q (batch, kv_heads·g, d)`. Nothing is
     /// copied from the host: the spans travel as kernel parameters.
+    ///
+    /// With `live`, the spans are in device memory instead: the chunk (`plan.chunk` is not
+    /// used), then `(start, slot)` per row; row b reads `[start, slot + 1)`, and the merge
+    /// then advances each slot by one. A step captured in a graph replays so.
     #[allow(clippy::too_many_arguments)]
     pub fn decode(
         &self,
@@ -546,6 +552,7 @@ impl DecodeRead {
         q: &CudaView<f32>,
         scale: f32,
         spans: &[(usize, usize)],
+        live: Option<&mut CudaSlice<i32>>,
         scratch: &mut Scratch,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -553,7 +560,9 @@ impl DecodeRead {
         let Some(partial) = kernels.partial(plan.variant) else {
             bail!("no {:?} decode for {}", plan.variant, planes.codec.name())
         };
-        if spans.len() != planes.batch {
+        let live = live.map(|l| l.device_ptr_mut(&self.stream));
+        let live_ptr = live.as_ref().map_or(0, |l| l.0);
+        if live.is_none() && spans.len() != planes.batch {
             bail!("{} spans for {} rows", spans.len(), planes.batch);
         }
         if !scratch.fits(plan, planes, g) {
@@ -590,14 +599,21 @@ impl DecodeRead {
         };
         let q_read = rotated.as_ref().map(|r| r.slice(..));
         let q = q_read.as_ref().unwrap_or(q);
-        for (run, rows) in spans.chunks(SPAN_ROWS).enumerate() {
+        let runs: Vec<(usize, usize)> = (0..planes.batch)
+            .step_by(SPAN_ROWS)
+            .map(|row0| (row0, SPAN_ROWS.min(planes.batch - row0)))
+            .collect();
+        for (row0, rows) in runs {
             let mut arg = Spans {
-                row0: (run * SPAN_ROWS) as i32,
+                row0: row0 as i32,
                 start: [0; SPAN_ROWS],
                 end: [0; SPAN_ROWS],
+                live: live_ptr,
             };
-            for (i, &(a, b)) in rows.iter().enumerate() {
-                (arg.start[i], arg.end[i]) = (a as i32, b as i32);
+            if live.is_none() {
+                for (i, &(a, b)) in spans[row0..row0 + rows].iter().enumerate() {
+                    (arg.start[i], arg.end[i]) = (a as i32, b as i32);
+                }
             }
             // The step's reads are dependent launches (dependent.rs): decode.cu's kernels
             // wait for the launch before them first.
@@ -618,11 +634,7 @@ impl DecodeRead {
                 b.input(&t.levels);
             }
             let cfg = LaunchConfig {
-                grid_dim: (
-                    plan.splits as u32,
-                    planes.kv_heads as u32,
-                    rows.len() as u32,
-                ),
+                grid_dim: (plan.splits as u32, planes.kv_heads as u32, rows as u32),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -632,7 +644,8 @@ impl DecodeRead {
         b.input(&scratch.ml)
             .input(&scratch.acc)
             .output(&mut *out)
-            .int(plan.splits as i32);
+            .int(plan.splits as i32)
+            .long(live_ptr as i64);
         let cfg = LaunchConfig {
             grid_dim: ((planes.kv_heads * g) as u32, planes.batch as u32, 1),
             block_dim: (256, 1, 1),
@@ -726,7 +739,8 @@ impl DecodeRead {
         if splits > 1 {
             let splits = splits as i32;
             let mut b = s.launch_builder(&kernels.merge);
-            b.arg(&ml).arg(&acc).arg(out).arg(&splits);
+            let no_live = 0u64;
+            b.arg(&ml).arg(&acc).arg(out).arg(&splits).arg(&no_live);
             let cfg = LaunchConfig {
                 grid_dim: ((planes.kv_heads * g * n) as u32, planes.batch as u32, 1),
                 block_dim: (256, 1, 1),

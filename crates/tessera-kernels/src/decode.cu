@@ -23,12 +23,31 @@ typedef unsigned short u16;
 
 // The spans of up to SPAN_ROWS rows, passed by value: a read copies nothing from the host
 // (a pageable copy per read cost an allocation, a copy and its tracking on every layer).
+// With `live` set (a decode step captured in a graph), the spans are instead in device
+// memory: the chunk, then (start, write slot) per row of the whole batch; the row reads
+// [start, slot + 1), and the merge advances the slot (kv_decode_merge).
 #define SPAN_ROWS 256
 struct Spans {
     int row0;
     int start[SPAN_ROWS];
     int end[SPAN_ROWS];
+    int* live;
 };
+
+// Positions [lo, hi) that split `split` of launch row z reads. Called after the wait for the
+// launch before (a live span is written by the previous step's merge).
+__device__ __forceinline__ void split_range(const Spans& spans, int z, int split, int splits,
+                                            int chunk, int& lo, int& hi) {
+    int start = spans.start[z], end = spans.end[z];
+    if (spans.live) {
+        const int b = spans.row0 + z;
+        chunk = __ldcg(spans.live);
+        start = __ldcg(spans.live + 1 + 2 * b);
+        end = __ldcg(spans.live + 2 + 2 * b) + 1;
+    }
+    lo = start + split * chunk;
+    hi = min(end, lo + chunk);
+}
 
 __device__ __forceinline__ float f16_to_f32(u32 h) {
     float f;
@@ -227,8 +246,8 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPR, e0 = (lane % LPR) * 8;
     const long block_rows = ((long)b * kv_heads + h) * capacity;
-    const int lo = spans.start[blockIdx.z] + split * chunk;
-    const int hi = min(spans.end[blockIdx.z], lo + chunk);
+    int lo, hi;
+    split_range(spans, blockIdx.z, split, splits, chunk, lo, hi);
 
     float qr[G][8], m[G], l[G], acc[G][8];
 #pragma unroll
@@ -534,8 +553,8 @@ kv_decode_partial_tc(const float* __restrict__ q, float qscale,
     __syncthreads();
 #endif
     const long block_rows = ((long)b * kv_heads + h) * capacity;
-    const int lo = spans.start[blockIdx.z] + split * chunk;
-    const int hi = min(spans.end[blockIdx.z], lo + chunk);
+    int lo, hi;
+    split_range(spans, blockIdx.z, split, splits, chunk, lo, hi);
 
     // Q as A fragments (rows = heads), log2(e) folded in, heads past G zero.
     u32 qa[D / 16][2];
@@ -1155,8 +1174,8 @@ kv_decode_partial_fold(const float* __restrict__ q, float qscale,
     const int splits = gridDim.x;
     const int gid = (threadIdx.x % 32) >> 2;
     const long block_rows = ((long)b * kv_heads + h) * capacity;
-    const int lo = spans.start[blockIdx.z] + split * chunk;
-    const int hi = min(spans.end[blockIdx.z], lo + chunk);
+    int lo, hi;
+    split_range(spans, blockIdx.z, split, splits, chunk, lo, hi);
     // Column gid is head gid (heads past G zero).
     const bool real = gid < G;
     const float* qg = q + (((long)b * kv_heads + h) * G + (real ? gid : 0)) * D;
@@ -1260,10 +1279,12 @@ kv_chunk_partial_fold(const float* __restrict__ q, float qscale,
 #define MERGE_WARPS 8
 extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
 kv_decode_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                float* __restrict__ out, int splits) {
+                float* __restrict__ out, int splits, int* __restrict__ live) {
     release_dependents();
     wait_for_prior();
     const int hq = blockIdx.x, b = blockIdx.y, qh = gridDim.x;
+    // A live read's row has read its span (the partials are done): its next write slot.
+    if (live && hq == 0 && threadIdx.x == 0) live[2 + 2 * b] += 1;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long first = ((long)b * qh + hq) * splits;
     float m = NEG_BIG, l = 0.f, a[(D + 31) / 32];

@@ -56,11 +56,20 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
 // threads per group): lanes load the group together, reduce its range by shuffles, and
 // each writes whole words of the group's code stream. (One thread walking a group alone,
 // load after load, took ~25 µs a row: more than the decode read it feeds.)
+// The slot a block's positions start at: `slot`, or with `live` (a decode step captured in a
+// graph; see decode.cu's Spans) the write slot its row holds in device memory: after the
+// read's chunk, (start, slot) per row from the launch's first row on.
+__device__ __forceinline__ int slot_of(int slot, const int* __restrict__ live, long block,
+                                       int heads) {
+    return live ? __ldcg(live + 2 + 2 * (block / heads)) : slot;
+}
+
 __device__ __forceinline__ void encode_rows(const float* __restrict__ x,
                                             u32* __restrict__ codes, u32* __restrict__ params,
                                             long blocks, int n, int d, int cap, int slot,
                                             int bits, int group,
-                                            const float* __restrict__ mean) {
+                                            const float* __restrict__ mean,
+                                            const int* __restrict__ live, int heads) {
     const int per_row = bits == 0 ? d / 2 : d / group;
     const long total = blocks * n * per_row;
     if (bits == 0) {
@@ -68,7 +77,7 @@ __device__ __forceinline__ void encode_rows(const float* __restrict__ x,
              t += (long)gridDim.x * blockDim.x) {
             const long row = t / per_row;
             const int j = (int)(t % per_row);
-            const long dst = (row / n) * cap + slot + row % n;
+            const long dst = (row / n) * cap + slot_of(slot, live, row / n, heads) + row % n;
             const float* src = x + row * d;
             codes[dst * (d / 2) + j] =
                 (u32)f32_to_bf16(src[2 * j]) | ((u32)f32_to_bf16(src[2 * j + 1]) << 16);
@@ -83,7 +92,7 @@ __device__ __forceinline__ void encode_rows(const float* __restrict__ x,
     for (long t = (blockIdx.x * (long)blockDim.x + threadIdx.x) / 32; t < total; t += warps) {
         const long row = t / per_row;        // block * n + i
         const int j = (int)(t % per_row);    // group
-        const long dst = (row / n) * cap + slot + row % n; // stored row
+        const long dst = (row / n) * cap + slot_of(slot, live, row / n, heads) + row % n;
         const float* w = x + row * d + j * group + lane * per_lane;
         const float* m = mean ? mean + (row / n) * d + j * group + lane * per_lane : nullptr;
         float v[4], w_min = 3.402823466e38f, w_max = 0.f;
@@ -139,12 +148,13 @@ extern "C" __global__ void encode_kv_rows(const float* __restrict__ xk,
                                           u32* __restrict__ codes_k, u32* __restrict__ codes_v,
                                           u32* __restrict__ params_k, u32* __restrict__ params_v,
                                           long blocks, int n, int d, int cap, int slot, int bits,
-                                          int group, const float* __restrict__ mean_k) {
+                                          int group, const float* __restrict__ mean_k,
+                                          const int* __restrict__ live, int heads) {
     release_dependents();
     wait_for_prior();
     const bool values = blockIdx.y == 1;
     encode_rows(values ? xv : xk, values ? codes_v : codes_k, values ? params_v : params_k,
-                blocks, n, d, cap, slot, bits, group, values ? nullptr : mean_k);
+                blocks, n, d, cap, slot, bits, group, values ? nullptr : mean_k, live, heads);
 }
 
 // Slots [slot, slot + len) of a plane into out (blocks, len, d) f32, one thread per element.

@@ -7,7 +7,7 @@ use crate::{Isa, KvError, KvScheme, LayerSpec, Retention};
 /// The caches of every layer of one model, for one batch of rows.
 #[derive(Debug, Default)]
 pub struct KvCache {
-    layers: Vec<LayerCache>,
+    pub(crate) layers: Vec<LayerCache>,
     /// The rows' padding where there are no layers to hold it.
     pads: Vec<usize>,
     /// The right padding of a prepared prefill ([`KvCache::prepare_prefill`]).

@@ -21,6 +21,7 @@ pub mod codec;
 mod error;
 mod isa;
 mod layer;
+mod live;
 pub mod planes;
 mod read;
 mod relayout;

@@ -27,6 +27,7 @@ use std::sync::Mutex;
 use tessera_kv::{AttentionCache, Isa, KvCache, LayerSpec, Retention};
 
 mod graphed;
+mod live;
 
 /// The architectures this decoder runs (`general.architecture` in GGUF).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -844,6 +845,7 @@ impl Decoder {
             graphs: Mutex::new(graphed::StepGraphs::new(
                 options.step_graphs,
                 options.step_graph_rows,
+                options.live_step_graphs,
             )),
         })
     }
@@ -1010,9 +1012,10 @@ impl Decoder {
             .serves(b);
         let backend = crate::step_graph::backend(&self.device);
         if let (1, true, Some(backend)) = (n, graphed, backend) {
-            {
-                return self.forward_graphed(backend, input, cache, mode);
+            if let Some(logits) = self.forward_live(backend, input, cache, mode)? {
+                return Ok(logits);
             }
+            return self.forward_graphed(backend, input, cache, mode);
         }
         self.forward_eager(input, cache, mode)
     }

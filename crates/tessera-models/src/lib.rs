@@ -66,6 +66,11 @@ pub struct LoadOptions {
     /// default: past that a step's launches are a small share of it). Each row count
     /// captures its own graphs on its first step.
     pub step_graph_rows: usize,
+    /// With step graphs, capture a decode step whole, the KV cache's writes and reads
+    /// included, where the cache keeps its positions in device memory (`decoder/live.rs`:
+    /// full-attention layers on planes that take live steps); off, the cache's work runs
+    /// between per-layer graphs (to compare the two).
+    pub live_step_graphs: bool,
 }
 
 impl Default for LoadOptions {
@@ -78,6 +83,7 @@ impl Default for LoadOptions {
             device_weights: true,
             step_graphs: true,
             step_graph_rows: 16,
+            live_step_graphs: true,
         }
     }
 }

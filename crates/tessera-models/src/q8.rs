@@ -406,6 +406,18 @@ impl Q8Matrix {
     unsafe fn tile_columns(&self, acts: &QuantizedActs, j0: usize, out: *mut f32) {
         let nr = (self.n - j0).min(4);
         #[cfg(target_arch = "x86_64")]
+        if self.amx {
+            // The AMX tiles' arithmetic ([`exact_dot`]) for every row the tiles do not take
+            // (fewer than 16 activation rows, weight rows past the last whole tile), so a
+            // row's output does not depend on its batch at this level either.
+            for j in j0..j0 + nr {
+                for i in 0..acts.m {
+                    *out.add(i * self.n + j) = exact_dot(self, acts, i, j);
+                }
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if acts.m == 1 {
             // One activation row: weight rows one after another, a single stream per thread.
             for j in j0..j0 + nr {

@@ -237,6 +237,7 @@ fn parity(gpu: &DecodeRead, tally: &mut Tally) -> Result<()> {
                     &qv,
                     0.125,
                     &spans,
+                    None,
                     &mut scratch,
                     &mut out,
                 )?;
@@ -253,6 +254,52 @@ fn parity(gpu: &DecodeRead, tally: &mut Tally) -> Result<()> {
                     plan.splits
                 );
                 check(tally, &name, rel, bound);
+                // The same read from positions in device memory (the chunk, then (start,
+                // slot = end − 1) per row): the same bits, and every slot advanced by one.
+                let eager = got;
+                let live_plan = plan;
+                let mut live_scratch = gpu.scratch(&live_plan, &planes, g)?;
+                let desc: Vec<i32> = std::iter::once(plan.chunk as i32)
+                    .chain(starts.iter().zip(&ends).flat_map(|(&a, &e)| [a, e - 1]))
+                    .collect();
+                let mut live = s.clone_htod(&desc)?;
+                let mut out = s.clone_htod(&vec![f32::NAN; b * qh * d])?;
+                gpu.decode(
+                    &live_plan,
+                    &planes,
+                    g,
+                    &qv,
+                    0.125,
+                    &[],
+                    Some(&mut live),
+                    &mut live_scratch,
+                    &mut out,
+                )?;
+                let live_name = format!("{name} live");
+                let mut got = s.clone_dtoh(&out)?;
+                maybe_plant(tally, &mut got, &live_name);
+                let rel = rel_err(&got, &want, &live_name)?;
+                worst = worst.max(rel);
+                let advanced: Vec<i32> = std::iter::once(plan.chunk as i32)
+                    .chain(starts.iter().zip(&ends).flat_map(|(&a, &e)| [a, e]))
+                    .collect();
+                let moved = s.clone_dtoh(&live)? == advanced;
+                let same = got
+                    .iter()
+                    .zip(&eager)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                println!(
+                    "parity {live_name} b{b} n{n} splits {}: rel err {rel:.2e}, slots advanced: \
+                     {moved}, the ordinary read's bits: {same}",
+                    live_plan.splits
+                );
+                let ok = moved && same;
+                check(
+                    tally,
+                    &live_name,
+                    if ok { rel } else { f64::INFINITY },
+                    bound,
+                );
             }
         }
     }
@@ -460,7 +507,7 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
                         let us = timed(gpu, 30, || {
                             i += 1;
                             let p = &planes[i % copies];
-                            gpu.decode(&plan, p, g, &qv, 1.0, &spans, &mut scratch, &mut out)
+                            gpu.decode(&plan, p, g, &qv, 1.0, &spans, None, &mut scratch, &mut out)
                         })?;
                         let gbs = one as f64 / us / 1e3;
                         println!(

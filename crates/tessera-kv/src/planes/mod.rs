@@ -212,6 +212,55 @@ pub trait Planes: std::fmt::Debug + Send + Sync + Any {
         scale: f32,
         isa: Isa,
     ) -> Result<Option<Tensor>, KvError>;
+    /// Whether these planes take live decode steps ([`Planes::live_spans`]): device planes
+    /// whose kernels read a step's positions from device memory.
+    fn serves_live(&self) -> bool {
+        false
+    }
+    /// What [`Planes::live_spans`] would return for these spans, changing nothing; `None`
+    /// where these planes cannot take them.
+    fn live_identity(&self, spans: &[(usize, usize)], query_heads: usize) -> Option<u64> {
+        let _ = (spans, query_heads);
+        None
+    }
+    /// Sets the positions the next [`Planes::live_step`] runs at, `spans[r] = (start,
+    /// slot)`: row `r` writes at `slot` and reads slots `start ..= slot`. They are kept in
+    /// device memory, and uploaded only where they differ from what the previous live step
+    /// left there (each advances every slot by one). `query_heads` sizes the read. Returns
+    /// the identity of every buffer a live step touches: a live step captured in a device
+    /// graph replays correctly while it stays the same.
+    fn live_spans(&mut self, spans: &[(usize, usize)], query_heads: usize) -> Result<u64, KvError> {
+        let _ = (spans, query_heads);
+        Err(KvError::Device(format!(
+            "live decode steps on {} planes",
+            self.codec()
+        )))
+    }
+    /// Sets the device's positions back to what the last [`Planes::live_spans`] set (a
+    /// step run again: its writes land where they did, its reads read the same).
+    fn live_rewind(&mut self) -> Result<(), KvError> {
+        Err(KvError::Device(format!(
+            "live decode steps on {} planes",
+            self.codec()
+        )))
+    }
+    /// One decode step at the positions [`Planes::live_spans`] set: `k`, `v` `(rows, heads,
+    /// 1, dim)` stored at each row's slot, `q` `(rows, q_heads, 1, head_dim)` read over
+    /// `start ..= slot`, then every slot advanced by one, on the device. Queues device work
+    /// only (nothing uploaded or read back), so a device graph can capture it.
+    fn live_step(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor, KvError> {
+        let _ = (q, k, v, scale);
+        Err(KvError::Device(format!(
+            "live decode steps on {} planes",
+            self.codec()
+        )))
+    }
     fn allocated_bytes(&self) -> usize;
     /// Encoded bytes of one position of one row, keys and values.
     fn bytes_per_position(&self) -> usize;

@@ -3,6 +3,7 @@
 //! output projection and MLP of layer `i - 1` and then layer `i`'s projections; the last
 //! ends with the logits. Each layer's cache work runs eagerly between two graphs.
 
+use super::live::{copied_rope, LiveGraphs};
 use super::{Decoder, Projected, Residual, Rope, StepInput};
 use crate::step_graph::{captured, copy_into, DeviceGraph, GraphBackend, GraphOutput};
 use crate::{LogitsMode, ModelError};
@@ -29,15 +30,26 @@ pub(super) struct StepGraphs {
     /// The most rows a graphed step has ([`crate::LoadOptions::step_graph_rows`]).
     max_rows: usize,
     by_rows: Vec<(usize, Captured)>,
+    /// Whole steps, the cache's work included, where the cache takes live steps
+    /// ([`crate::LoadOptions::live_step_graphs`]; `live.rs`).
+    pub(super) live_enabled: bool,
+    pub(super) live: LiveGraphs,
 }
 
 impl StepGraphs {
-    pub(super) fn new(enabled: bool, max_rows: usize) -> Self {
+    pub(super) fn new(enabled: bool, max_rows: usize, live_enabled: bool) -> Self {
         StepGraphs {
             enabled,
             max_rows,
             by_rows: Vec::new(),
+            live_enabled,
+            live: LiveGraphs::default(),
         }
+    }
+
+    /// How many row counts' graphs are kept.
+    pub(super) fn kept(&self) -> usize {
+        self.max_rows.clamp(KEPT, MOST_KEPT)
     }
 
     /// Whether a decode step of `rows` rows runs through graphs.
@@ -48,6 +60,7 @@ impl StepGraphs {
     /// Drops every captured graph (a later step captures again).
     pub(super) fn clear(&mut self) {
         self.by_rows.clear();
+        self.live.clear();
     }
 }
 
@@ -125,7 +138,7 @@ impl Decoder {
             };
         }
         let (graph, logits) = self.capture_step(backend, input, cache, mode)?;
-        if graphs.by_rows.len() >= graphs.max_rows.clamp(KEPT, MOST_KEPT) {
+        if graphs.by_rows.len() >= graphs.kept() {
             graphs.by_rows.remove(0);
         }
         let entry = match graph {
@@ -148,18 +161,7 @@ impl Decoder {
         let device = &self.device;
         // The inputs' own buffers, in ordinary memory: replays copy each step's into them.
         let x = input.x.copy()?;
-        let copy_rope = |r: &Option<Rope>| -> candle_core::Result<Option<Rope>> {
-            r.as_ref()
-                .map(|r| {
-                    Ok(Rope {
-                        cos: r.cos.copy()?,
-                        sin: r.sin.copy()?,
-                        interleaved: r.interleaved,
-                    })
-                })
-                .transpose()
-        };
-        let ropes = [copy_rope(&input.ropes[0])?, copy_rope(&input.ropes[1])?];
+        let ropes = [copied_rope(&input.ropes[0])?, copied_rope(&input.ropes[1])?];
         let mut graphs = Vec::with_capacity(self.blocks.len() + 1);
         let mut complete = true;
         let mut keep = |g: Option<Box<dyn DeviceGraph>>| match g {

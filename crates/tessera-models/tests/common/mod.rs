@@ -22,9 +22,15 @@ impl Drop for Dir {
 
 /// A synthesized tiny model of `arch` (Q8_0, seed 3).
 pub fn tiny(dir: &Path, arch: &str) -> PathBuf {
-    let path = dir.join(format!("{arch}.gguf"));
+    synthesized(dir, arch, "tiny")
+}
+
+/// The synthesized `preset` of `arch` (Q8_0, seed 3).
+#[allow(dead_code)] // not every test binary uses every preset
+pub fn synthesized(dir: &Path, arch: &str, preset_name: &str) -> PathBuf {
+    let path = dir.join(format!("{arch}-{preset_name}.gguf"));
     write_model(
-        &preset(arch, "tiny").unwrap(),
+        &preset(arch, preset_name).unwrap(),
         parse_dtype("q8_0").unwrap(),
         3,
         &path,
