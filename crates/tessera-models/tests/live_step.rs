@@ -14,16 +14,15 @@ use candle_core::{Device, Result, Tensor};
 use std::any::Any;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
 use tessera_kv::planes::{
     host_planes, ChunkGeometry, DeviceBackend, PlaneGeometry, Planes, PlanesState, RowSlots,
 };
-use tessera_kv::{Codec, Isa, KvCache, KvError, KvScheme, TurboPrep};
+use tessera_kv::{Codec, Isa, KvCache, KvError, TurboPrep};
 use tessera_models::step_graph::{install, DeviceGraph, GraphBackend};
-use tessera_models::{LoadOptions, LogitsMode, Model};
+use tessera_models::{LoadOptions, Model};
 
 mod common;
-use common::{synthesized, Dir};
+use common::{greedy_steps, synthesized, Dir};
 
 static LIVE_STEPS: AtomicUsize = AtomicUsize::new(0);
 static BEGINS: AtomicUsize = AtomicUsize::new(0);
@@ -234,46 +233,6 @@ impl Planes for LivePlanes {
     }
 }
 
-/// `steps` greedy decode steps of `rows` rows (row `r`'s prompt shifted by `r`) after a
-/// prefill: each step's logits, and the cache.
-fn decode(
-    model: &Model,
-    scheme: &str,
-    prompt: &[u32],
-    steps: usize,
-    rows: usize,
-) -> (Vec<Vec<f32>>, KvCache) {
-    let dev = Device::Cpu;
-    let scheme = KvScheme::parse(scheme).unwrap();
-    let mut cache = KvCache::new(&model.layer_specs(), &scheme, vec![0; rows]).unwrap();
-    let prompts: Vec<u32> = (0..rows as u32)
-        .flat_map(|r| prompt.iter().map(move |t| t + r))
-        .collect();
-    let ids = Tensor::from_slice(&prompts, (rows, prompt.len()), &dev).unwrap();
-    model.forward(&ids, &mut cache, LogitsMode::Last).unwrap();
-    let mut tokens = vec![7u32; rows];
-    let mut out = Vec::new();
-    for _ in 0..steps {
-        let ids = Tensor::from_slice(&tokens, (rows, 1), &dev).unwrap();
-        let logits: Vec<f32> = model
-            .forward(&ids, &mut cache, LogitsMode::Last)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let vocab = logits.len() / rows;
-        for (r, t) in tokens.iter_mut().enumerate() {
-            let row = &logits[r * vocab..(r + 1) * vocab];
-            *t = (0..vocab)
-                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-                .unwrap() as u32;
-        }
-        out.push(logits);
-    }
-    (out, cache)
-}
-
 /// Where every layer's emulated device positions stand against its rows' ends.
 fn device_positions_follow_rows(cache: &KvCache) -> bool {
     cache.layers().iter().all(|layer| {
@@ -301,7 +260,7 @@ fn live_steps_compute_the_eager_step_wherever_they_run() {
         let path = synthesized(&dir.0, arch, preset);
         let (model, _) = Model::load(&path, &LoadOptions::default(), &Device::Cpu).unwrap();
         model.set_step_graphs(false);
-        let (eager, _) = decode(&model, scheme, &prompt, steps, rows);
+        let (eager, _) = greedy_steps(&model, scheme, &prompt, steps, rows);
         assert_eq!(LIVE_STEPS.load(Ordering::SeqCst), 0, "{what}: graphs off");
 
         // Every capture refused: per-layer graphs refused on the first step (their row
@@ -309,7 +268,7 @@ fn live_steps_compute_the_eager_step_wherever_they_run() {
         // captured: run, rewound, run by the capture, refused, rewound and run again.
         REFUSE.store(true, Ordering::SeqCst);
         model.set_step_graphs(true);
-        let (refused, cache) = decode(&model, scheme, &prompt, 8, rows);
+        let (refused, cache) = greedy_steps(&model, scheme, &prompt, 8, rows);
         assert_eq!(
             refused,
             eager[..8],
@@ -328,7 +287,7 @@ fn live_steps_compute_the_eager_step_wherever_they_run() {
         );
         // A refused identity is not captured again: a new cache's (its own buffers) is
         // tried once, on its 8th step, and steps 9 to 12 run eagerly.
-        let (again, _) = decode(&model, scheme, &prompt, steps, rows);
+        let (again, _) = greedy_steps(&model, scheme, &prompt, steps, rows);
         assert_eq!(again, eager, "{what}: after a refused live capture");
         assert_eq!(
             LIVE_STEPS.swap(0, Ordering::SeqCst),
@@ -343,7 +302,7 @@ fn live_steps_compute_the_eager_step_wherever_they_run() {
         REFUSE_FIRST.store(layers + 1, Ordering::SeqCst);
         model.set_step_graphs(true);
         let launches = LAUNCHES.load(Ordering::SeqCst);
-        let (accepted, cache) = decode(&model, scheme, &prompt, 8, rows);
+        let (accepted, cache) = greedy_steps(&model, scheme, &prompt, 8, rows);
         assert_eq!(accepted, eager[..8], "{what}: the capturing step");
         assert_eq!(
             LAUNCHES.load(Ordering::SeqCst) - launches,
@@ -358,7 +317,7 @@ fn live_steps_compute_the_eager_step_wherever_they_run() {
         // A new cache: captured again on its 8th step, replayed on its 9th (the stand-in's
         // replay runs nothing, so only counts).
         let launches = LAUNCHES.load(Ordering::SeqCst);
-        decode(&model, scheme, &prompt, 9, rows);
+        greedy_steps(&model, scheme, &prompt, 9, rows);
         assert_eq!(
             LAUNCHES.load(Ordering::SeqCst) - launches,
             2,

@@ -8,15 +8,14 @@
 //! cache on.
 //! The GPU's replays are checked against eager steps by `tessera bench --graph-probe`.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Device, Result};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use tessera_kv::{KvCache, KvScheme};
 use tessera_models::step_graph::{install, DeviceGraph, GraphBackend};
 
 mod common;
-use common::{tiny, Dir};
-use tessera_models::{LoadOptions, LogitsMode, Model};
+use common::{greedy_steps, tiny, Dir};
+use tessera_models::{LoadOptions, Model};
 
 #[derive(Default)]
 struct Counts {
@@ -87,35 +86,7 @@ fn decode(model: &Model, prompt: &[u32], steps: usize) -> Vec<Vec<f32>> {
 /// each step's logits, all rows'. Past one row, q and k are strided views of one
 /// projection, so a graph's outputs are copied out of views.
 fn decode_rows(model: &Model, prompt: &[u32], steps: usize, rows: usize) -> Vec<Vec<f32>> {
-    let dev = Device::Cpu;
-    let scheme = KvScheme::parse("bf16").unwrap();
-    let mut cache = KvCache::new(&model.layer_specs(), &scheme, vec![0; rows]).unwrap();
-    let prompts: Vec<u32> = (0..rows as u32)
-        .flat_map(|r| prompt.iter().map(move |t| t + r))
-        .collect();
-    let ids = Tensor::from_slice(&prompts, (rows, prompt.len()), &dev).unwrap();
-    model.forward(&ids, &mut cache, LogitsMode::Last).unwrap();
-    let mut tokens = vec![7u32; rows];
-    let mut out = Vec::new();
-    for _ in 0..steps {
-        let ids = Tensor::from_slice(&tokens, (rows, 1), &dev).unwrap();
-        let logits: Vec<f32> = model
-            .forward(&ids, &mut cache, LogitsMode::Last)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let vocab = logits.len() / rows;
-        for (r, t) in tokens.iter_mut().enumerate() {
-            let row = &logits[r * vocab..(r + 1) * vocab];
-            *t = (0..vocab)
-                .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-                .unwrap() as u32;
-        }
-        out.push(logits);
-    }
-    out
+    greedy_steps(model, "bf16", prompt, steps, rows).0
 }
 
 #[test]
