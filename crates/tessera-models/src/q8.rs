@@ -884,7 +884,16 @@ impl Linear {
                 t.dequantize(&t.device())?,
             )));
         }
-        if let Some(m) = Q8Matrix::from_qtensor(&t, isa)? {
+        // Q8_0 at most at AVX-512 VNNI: the AMX tiles take only batches of 16 rows or more,
+        // and the kernels of fewer rows cannot give their bits at VNNI speed (the groups of
+        // sixteen can, but the tiles read rows), so a row's output would depend on its
+        // batch; the tiles' arithmetic everywhere halved decode at one row (Gemma 3 270M,
+        // 74 → 36 tok/s), while prefill at VNNI was as fast (BENCHMARKS.md).
+        let q8_level = match isa.capped() {
+            Isa::Amx => Isa::Avx512Vnni,
+            level => level,
+        };
+        if let Some(m) = Q8Matrix::from_qtensor(&t, q8_level)? {
             return Ok(Linear::Q8(m));
         }
         if KMatrix::takes(&t, isa) {
