@@ -5,6 +5,9 @@ use candle_core::Device;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+mod common;
+use common::qwen;
+
 fn tessera(args: &[&str], stdin: &str) -> (i32, String, String) {
     use std::io::Write;
     let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
@@ -35,17 +38,6 @@ fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("tessera-cli-chat-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
-}
-
-/// Qwen2.5-Coder-0.5B-Instruct, whose GGUF carries a ChatML `tokenizer.chat_template`.
-fn qwen() -> PathBuf {
-    let path = tessera_engine::store::models_dir().join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert!(
-        path.exists(),
-        "{} is missing: run `tessera model fetch qwen2.5-coder-0.5b-instruct`",
-        path.display()
-    );
-    path
 }
 
 #[test]
