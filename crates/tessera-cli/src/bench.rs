@@ -69,8 +69,14 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
 }
 
 /// Reads `prompt` as `rows` requests that each stop at their first token: the prompts are
-/// read one after another, as the server reads them. Returns prompt tokens per second.
-fn prefill_rate(model: &Model, scheme: &KvScheme, rows: usize, prompt: &[u32]) -> Result<f64> {
+/// read one after another, as the server reads them. Returns prompt tokens per second, and
+/// the batch's times (its prompt chunks' forwards, and how long the host took to submit them).
+fn prefill_rate(
+    model: &Model,
+    scheme: &KvScheme,
+    rows: usize,
+    prompt: &[u32],
+) -> Result<(f64, BatchTimes)> {
     let mut batch = engine(model, scheme, rows)?;
     for _ in 0..rows {
         batch.add(greedy(prompt.to_vec(), 1))?;
@@ -79,7 +85,8 @@ fn prefill_rate(model: &Model, scheme: &KvScheme, rows: usize, prompt: &[u32]) -
     while !batch.is_idle() {
         batch.step()?;
     }
-    Ok((rows * prompt.len()) as f64 / t.elapsed().as_secs_f64())
+    let rate = (rows * prompt.len()) as f64 / t.elapsed().as_secs_f64();
+    Ok((rate, *batch.times()))
 }
 
 /// Tokens each decode row may produce: rows join one step apart and decode from then on,
@@ -191,12 +198,19 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
     // warm-up run first, then the mean of `repeat` runs (llama-bench's method).
     let prompt = synthetic_tokens(prompt_tokens, model.vocab_size(), bos);
     let mut rates = Vec::with_capacity(repeat);
+    let mut prefill_times = BatchTimes::default();
     for run in 0..=repeat {
-        let rate = prefill_rate(&model, &scheme, batch, &prompt)?;
+        let (rate, times) = prefill_rate(&model, &scheme, batch, &prompt)?;
         if run > 0 {
             rates.push(rate);
+            prefill_times.add(&times);
         }
     }
+    let chunks = prefill_times.prefill_forwards.max(1) as f64;
+    let (chunk_ms, chunk_submit_ms) = (
+        1e3 * prefill_times.prefill.as_secs_f64() / chunks,
+        1e3 * prefill_times.prefill_submit.as_secs_f64() / chunks,
+    );
     let prefill_tps = rates.iter().sum::<f64>() / rates.len() as f64;
     let prefill_sd =
         (rates.iter().map(|r| (r - prefill_tps).powi(2)).sum::<f64>() / rates.len() as f64).sqrt();
@@ -215,7 +229,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         println!(
             "{}",
             serde_json::json!({
-                "model": model.architecture(), "device": margs.device, "isa": model.isa().to_string(), "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat,
+                "model": model.architecture(), "device": margs.device, "isa": model.isa().to_string(), "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat, "prefill_chunk_ms": chunk_ms, "prefill_chunk_submit_ms": chunk_submit_ms,
                 "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps, "decode_step_ms": step_ms, "decode_submit_ms": submit_ms,
                 "peak_rss_bytes": rss, "tokens_digest": format!("{digest:016x}"), "kv_bytes_per_token": kv_per_token, "kv_allocated_bytes": kv_allocated,
             })
@@ -229,7 +243,11 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             candle_core::utils::get_num_threads(),
             model.isa()
         );
-        println!("prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of {repeat} runs after a warm-up; all rows' prompts, read one after another)");
+        println!(
+            "prefill  {prompt_tokens:>6} tokens  {prefill_tps:>8.1} ± {prefill_sd:.1} tok/s  (mean of \
+             {repeat} runs after a warm-up; all rows' prompts, read one after another; a chunk \
+             {chunk_ms:.2} ms, {chunk_submit_ms:.2} of them submitting)"
+        );
         println!(
             "decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth}; all rows; a \
              step {step_ms:.2} ms, {submit_ms:.2} of them submitting; tokens digest {digest:016x})"

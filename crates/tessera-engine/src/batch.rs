@@ -203,6 +203,10 @@ pub struct BatchTimes {
     pub prefill: Duration,
     pub prefill_tokens: usize,
     pub prefill_forwards: usize,
+    /// Of `prefill`: the host's time until each chunk's forward pass returned (as
+    /// `decode_submit` is for steps). A chunk's submit time close to its whole time says
+    /// the host bounds prefill, a synchronization inside the forward among the causes.
+    pub prefill_submit: Duration,
     /// Decode steps (plain or speculative), and the row-steps they covered.
     pub decode: Duration,
     pub decode_steps: usize,
@@ -223,6 +227,7 @@ impl BatchTimes {
         self.prefill += other.prefill;
         self.prefill_tokens += other.prefill_tokens;
         self.prefill_forwards += other.prefill_forwards;
+        self.prefill_submit += other.prefill_submit;
         self.decode += other.decode;
         self.decode_steps += other.decode_steps;
         self.decode_rows += other.decode_rows;
@@ -702,7 +707,10 @@ impl<'m> Batch<'m> {
         let logits = Tensor::from_vec(ids, (take, width), self.model.device())
             .map_err(EngineError::from)
             .and_then(|ids| Ok(self.model.forward(&ids, &mut cache, LogitsMode::Last)?))
-            .and_then(|l| Ok(l.flatten_all()?.to_vec1::<f32>()?));
+            .and_then(|l| {
+                self.times.prefill_submit += started.elapsed();
+                Ok(l.flatten_all()?.to_vec1::<f32>()?)
+            });
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
@@ -855,6 +863,7 @@ impl<'m> Batch<'m> {
         let chunk = &p.request.prompt[p.fed..p.fed + len];
         let ids = Tensor::from_slice(chunk, (1, len), self.model.device())?;
         let logits = self.model.forward(&ids, &mut p.cache, LogitsMode::Last)?;
+        self.times.prefill_submit += started.elapsed();
         p.fed += len;
         self.times.prefill_tokens += len;
         self.times.prefill_forwards += 1;

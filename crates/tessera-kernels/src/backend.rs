@@ -15,7 +15,7 @@ use crate::PLANES_CU;
 use anyhow::{anyhow, Context};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
-    result, CudaContext, CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtrMut,
+    result, CudaContext, CudaFunction, CudaSlice, CudaView, CudaViewMut, DevicePtrMut, DeviceRepr,
     LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
@@ -85,6 +85,8 @@ struct Kernels {
     turbo_encode: CudaFunction,
     turbo_decode: CudaFunction,
     copy: CudaFunction,
+    /// The affine key means' fit ([`KeyMeans`]).
+    fit_means: CudaFunction,
     /// The decode reads' partial states, shared by every layer (the reads run in stream
     /// order; the lock is held from a read's first launch to its last).
     scratch: Mutex<Option<Scratch>>,
@@ -155,6 +157,7 @@ impl CudaBackend {
             turbo_encode: module.load_function("turbo_encode")?,
             turbo_decode: module.load_function("turbo_decode_rows")?,
             copy: module.load_function("copy_blocks")?,
+            fit_means: module.load_function("fit_key_means")?,
             scratch: Mutex::new(None),
             scratch_generation: AtomicU64::new(next_generation()),
             profile: self.profile,
@@ -275,19 +278,81 @@ fn next_generation() -> u64 {
 }
 
 /// An affine layer's key means (tessera-kv's affine.rs centres keys): tessera-kv's host
-/// planes of the codec, kept empty (fitted, adopted and resized with the CPU's own code),
-/// and their copy on the device, `(rows, heads, head_dim)` f32, which the encode subtracts.
+/// planes of the codec, kept empty (resized and restored with the CPU's own code), and the
+/// means on the device, `(rows, heads, head_dim)` f32, which the encode subtracts. The
+/// device holds the current means: a fit runs there (planes.cu's `fit_key_means`, the
+/// host's arithmetic), as does a row's adoption, and the host's copy follows only where it
+/// is used (`stale` until then), so a prompt's first chunk does not wait on the host.
 struct KeyMeans {
     host: Box<dyn Planes>,
     device: CudaSlice<f32>,
+    /// The host's copy is behind the device's.
+    stale: bool,
 }
 
+/// planes.cu's `FIT_ROWS`: rows one fit launch's spans cover (passed by value).
+const FIT_ROWS: usize = 256;
+
+/// planes.cu's `struct FitSpans`: the live positions `[lo, hi)` of each row's keys.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct FitSpans {
+    lo: [i32; FIT_ROWS],
+    hi: [i32; FIT_ROWS],
+}
+
+// SAFETY: plain integers, laid out as the kernel's `struct FitSpans`.
+unsafe impl DeviceRepr for FitSpans {}
+
 impl KeyMeans {
-    fn values(&self) -> &[f32] {
+    /// The device buffer's length for `host`'s means (one zero where there are none, so a
+    /// launch still gets a buffer).
+    fn zero_len(host: &dyn Planes) -> usize {
+        host.as_any()
+            .downcast_ref::<tessera_kv::planes::AffinePlanes>()
+            .map_or(0, |p| p.key_means().len())
+            .max(1)
+    }
+
+    /// The host's copy (current unless `stale`).
+    fn host_values(&self) -> &[f32] {
         self.host
             .as_any()
             .downcast_ref::<tessera_kv::planes::AffinePlanes>()
             .map_or(&[], |p| p.key_means())
+    }
+
+    /// The current means: the host's copy, or the device's read back where it is behind.
+    fn values(&self, kernels: &Kernels) -> Result<std::borrow::Cow<'_, [f32]>, KvError> {
+        let host = self.host_values();
+        if !self.stale {
+            return Ok(std::borrow::Cow::Borrowed(host));
+        }
+        let s = &kernels.read.stream;
+        let values = s
+            .clone_dtoh(&self.device.slice(..host.len()))
+            .map_err(device_error)?;
+        s.synchronize().map_err(device_error)?;
+        Ok(std::borrow::Cow::Owned(values))
+    }
+
+    /// Brings the host's copy level with the device's, for the host's own row operations.
+    fn sync_host(&mut self, kernels: &Kernels) -> Result<(), KvError> {
+        if !self.stale {
+            return Ok(());
+        }
+        let values = self.values(kernels)?.into_owned();
+        // The host planes hold no slots: a state of four empty buffers and the means.
+        let mut buffers = vec![Vec::new(); 4];
+        buffers.push(f32_bytes(&values));
+        self.host.restore(&PlanesState {
+            codec: self.host.codec(),
+            geometry: self.host.geometry(),
+            capacity: 0,
+            buffers,
+        })?;
+        self.stale = false;
+        Ok(())
     }
 }
 
@@ -430,12 +495,23 @@ impl CudaPlanes {
                 (Some(TurboState { host, device }), None)
             }
             (GpuCodec::Affine { .. }, Some(host)) => {
+                // Fresh host planes hold identity means, zeros: the device's are made so
+                // there, with nothing uploaded.
+                let len = KeyMeans::zero_len(host.as_ref());
                 let device = kernels
                     .read
                     .stream
-                    .alloc_zeros::<f32>(1)
+                    .alloc_zeros::<f32>(len)
                     .map_err(device_error)?;
-                (None, Some(KeyMeans { host, device }))
+                let stale = false;
+                (
+                    None,
+                    Some(KeyMeans {
+                        host,
+                        device,
+                        stale,
+                    }),
+                )
             }
             _ => (None, None),
         };
@@ -450,16 +526,88 @@ impl CudaPlanes {
             generation: next_generation(),
             live: None,
         };
-        planes.refresh_means()?;
+        if planes
+            .means
+            .as_ref()
+            .is_some_and(|m| m.host_values().iter().any(|&x| x != 0.0))
+        {
+            planes.refresh_means()?;
+        }
         Ok(planes)
     }
 
-    /// Uploads the host's affine key means again (after a fit, adoption, resize or restore).
+    /// Fits the affine key means of `k` `(rows, heads, n, head_dim)`, row r on its positions
+    /// `live[r]`, on the device (planes.cu's `fit_key_means`: tessera-kv's fit, bit for
+    /// bit). `false`, with nothing done, where the launch's spans cannot hold the rows (the
+    /// host fits then).
+    fn fit_means_on_device(&mut self, k: &Tensor, live: &[Range<usize>]) -> Result<bool, KvError> {
+        let g = self.geometry;
+        let Some(m) = &mut self.means else {
+            return Ok(false);
+        };
+        let (rows, heads, n, d) = k.dims4()?;
+        if live.len() != g.rows {
+            return Err(KvError::RowCount {
+                given: live.len(),
+                rows: g.rows,
+            });
+        }
+        if rows != g.rows || heads != g.heads || d != g.head_dim {
+            return Err(KvError::Device(format!(
+                "keys {:?} to fit means on, for {g:?}",
+                k.dims()
+            )));
+        }
+        if rows * heads == 0 {
+            return Ok(true); // no blocks: nothing to fit
+        }
+        if rows > FIT_ROWS || live.iter().any(|r| r.start > r.end || r.end > n) {
+            return Ok(false);
+        }
+        let mut spans = FitSpans {
+            lo: [0; FIT_ROWS],
+            hi: [0; FIT_ROWS],
+        };
+        for (r, span) in live.iter().enumerate() {
+            (spans.lo[r], spans.hi[r]) = (span.start as i32, span.end as i32);
+        }
+        if m.device.len() < rows * heads * d {
+            return Err(KvError::Device("key means smaller than the rows".into()));
+        }
+        let k = k.to_dtype(DType::F32)?.contiguous()?;
+        let kernels = &self.kernels;
+        with_f32(&k, |ks, offset| {
+            let ks = ks.slice(offset..);
+            let (heads_i, n_i, d_i) = (heads as i32, n as i32, d as i32);
+            let mut l = kernels.read.stream.launch_builder(&kernels.fit_means);
+            l.arg(&ks)
+                .arg(&mut m.device)
+                .arg(&spans)
+                .arg(&heads_i)
+                .arg(&n_i)
+                .arg(&d_i);
+            let cfg = LaunchConfig {
+                grid_dim: ((rows * heads) as u32, 1, 1),
+                block_dim: (d.min(1024) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: ks holds rows · heads · n · d floats from its offset, the means rows ·
+            // heads · d (checked above), the spans lie within 0..n; the kernel touches no more.
+            unsafe { l.launch(cfg)? };
+            Ok(())
+        })?;
+        m.stale = true;
+        Ok(true)
+    }
+
+    /// Uploads the host's affine key means again (after the host's fit, resize or restore;
+    /// the host's copy must be current: [`KeyMeans::sync_host`] first).
     fn refresh_means(&mut self) -> Result<(), KvError> {
         let Some(m) = &mut self.means else {
             return Ok(());
         };
-        let values = m.values();
+        m.stale = false;
+        let values = m.host_values();
         // One zero where there are none yet: a launch still gets a buffer.
         let values = if values.is_empty() {
             &[0f32][..]
@@ -596,7 +744,7 @@ impl CudaPlanes {
         let (bits, group) = self.bits_group();
         let per_row = if bits == 0 { d / 2 } else { d / group as usize };
         let means = match &self.means {
-            Some(m) if m.values().len() >= (row0 + b) * h * d => {
+            Some(m) if m.host_values().len() >= (row0 + b) * h * d => {
                 Some(m.device.slice(row0 * h * d..(row0 + b) * h * d))
             }
             Some(_) => {
@@ -1019,8 +1167,22 @@ impl Planes for CudaPlanes {
         let src = self.same_kind(src)?;
         self.generation = next_generation();
         if let (Some(m), Some(from)) = (&mut self.means, &src.means) {
-            m.host.adopt_row(from.host.as_ref(), src_row, dst_row)?;
-            return self.refresh_means();
+            // On the device, which holds the current means; the host's copy follows later.
+            let span = self.geometry.heads * self.geometry.head_dim;
+            let (from_at, to_at) = (src_row * span, dst_row * span);
+            if from.device.len() < from_at + span || m.device.len() < to_at + span {
+                return Err(KvError::Rows(format!(
+                    "key means of row {src_row} into row {dst_row}: out of range"
+                )));
+            }
+            let mut to = m.device.slice_mut(to_at..to_at + span);
+            self.kernels
+                .read
+                .stream
+                .memcpy_dtod(&from.device.slice(from_at..from_at + span), &mut to)
+                .map_err(device_error)?;
+            m.stale = true;
+            return Ok(());
         }
         let (Some(t), Some(from)) = (&mut self.turbo, &src.turbo) else {
             return Ok(());
@@ -1048,6 +1210,7 @@ impl Planes for CudaPlanes {
             t.host.resize_rows(keep, added)?;
         }
         if let Some(m) = &mut self.means {
+            m.sync_host(&self.kernels)?;
             m.host.resize_rows(keep, added)?;
         }
         self.refresh_means()?;
@@ -1123,8 +1286,13 @@ impl Planes for CudaPlanes {
         queries: Option<&[f32]>,
     ) -> Result<(), KvError> {
         self.generation = next_generation();
-        if let Some(m) = &mut self.means {
-            m.host.fit_key_prep(k, live, prep, queries)?;
+        if self.means.is_some() {
+            if self.fit_means_on_device(k, live)? {
+                return Ok(());
+            }
+            if let Some(m) = &mut self.means {
+                m.host.fit_key_prep(k, live, prep, queries)?;
+            }
             return self.refresh_means();
         }
         let Some(t) = &mut self.turbo else {
@@ -1282,7 +1450,7 @@ impl Planes for CudaPlanes {
     }
 
     fn allocated_bytes(&self) -> usize {
-        let means = self.means.as_ref().map_or(0, |m| 4 * m.values().len());
+        let means = self.means.as_ref().map_or(0, |m| 4 * m.host_values().len());
         means
             + self
                 .planes
@@ -1316,7 +1484,10 @@ impl Planes for CudaPlanes {
                 word_bytes(&kp),
                 word_bytes(&v),
                 word_bytes(&vp),
-                f32_bytes(self.means.as_ref().map_or(&[], |m| m.values())),
+                f32_bytes(&match &self.means {
+                    Some(m) => m.values(&self.kernels)?,
+                    None => std::borrow::Cow::Borrowed(&[][..]),
+                }),
             ],
             GpuCodec::Turbo { .. } => {
                 let t = self.turbo.as_ref().expect("turbo planes keep their tables");
@@ -1516,14 +1687,22 @@ impl CudaPlanes {
         let v = self.decode_slots(&p.v, &p.vp, rows.clone(), p.capacity, slot, len, 1)?;
         let mut keys = wrap(&self.kernels, k, &shape);
         if let Some(m) = &self.means {
-            // The stored keys are centred: their means added back.
+            // The stored keys are centred: their means (the device's, always current) added
+            // back.
             let per_row = g.heads * g.head_dim;
-            let values = m
-                .values()
-                .get(rows.start * per_row..rows.end * per_row)
-                .ok_or_else(|| KvError::Device(format!("key means for rows {rows:?} missing")))?;
-            let device = Device::Cuda(self.kernels.device.clone());
-            let means = Tensor::from_slice(values, (rows.len(), g.heads, 1, g.head_dim), &device)?;
+            let span = rows.start * per_row..rows.end * per_row;
+            if m.device.len() < span.end {
+                return Err(KvError::Device(format!(
+                    "key means for rows {rows:?} missing"
+                )));
+            }
+            let means = self
+                .kernels
+                .read
+                .stream
+                .clone_dtod(&m.device.slice(span))
+                .map_err(device_error)?;
+            let means = wrap(&self.kernels, means, &[rows.len(), g.heads, 1, g.head_dim]);
             keys = keys.broadcast_add(&means)?;
         }
         Ok((keys, wrap(&self.kernels, v, &shape)))

@@ -185,6 +185,30 @@ extern "C" __global__ void decode_rows(const u32* __restrict__ codes,
     }
 }
 
+// The key means tessera-kv's `ChannelPrep::fit` gives an affine layer (centre only), fitted
+// where the keys are rather than on the host (which cost a synchronization and a host pass
+// over every key of each layer's first chunk). Block b = (row, head) of x, contiguous
+// (rows, heads, n, d) f32; thread per channel: its keys at positions [lo[row], hi[row]),
+// each rounded to bf16, summed in position order in f32, divided by the count (at least 1).
+// The host's operations in the host's order, so the same bits.
+#define FIT_ROWS 256
+struct FitSpans {
+    int lo[FIT_ROWS];
+    int hi[FIT_ROWS];
+};
+
+extern "C" __global__ void fit_key_means(const float* __restrict__ x, float* __restrict__ means,
+                                         FitSpans spans, int heads, int n, int d) {
+    const int b = blockIdx.x, row = b / heads;
+    const int lo = spans.lo[row], hi = spans.hi[row];
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float sum = 0.f;
+        for (int i = lo; i < hi; i++)
+            sum = __fadd_rn(sum, bf16_to_f32(f32_to_bf16(x[((long)b * n + i) * d + c])));
+        means[(long)b * d + c] = __fdiv_rn(sum, (float)max(hi - lo, 1));
+    }
+}
+
 // The first `words` words of each of `blocks` blocks, from a stride of `src_stride` to one
 // of `dst_stride` (growing a plane's capacity keeps each block's slots in place).
 extern "C" __global__ void copy_blocks(const u32* __restrict__ src, u32* __restrict__ dst,
