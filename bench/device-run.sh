@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the device machine (see ../shared/gpu/README.md): unpacks the gzipped binaries
+# Runs on the device machine (see ../shared/gpu/README.md): unpacks the gzipped (or xz) binaries
 # carried in .device/, then the steps named as arguments, each logged under $OUT.
 #   parity  kv-cache-parity (the CUDA KV backend against the CPU cache)
 #   chunkread  kv-read-bench chunk: the fused chunk read alone against an f64 reference, timed
@@ -81,6 +81,12 @@ export LD_LIBRARY_PATH=$NV:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 B=/tmp/tessera-bin; mkdir -p $B
 # Always unpacked: a warm machine may still hold an older build under the same name.
 for f in .device/*.gz; do [ -f "$f" ] || continue; n=$(basename $f .gz); gunzip -c $f > $B/$n && chmod +x $B/$n; done
+# xz packs a binary in half gzip's bytes (the carry is 64 MiB); Python's lzma unpacks it.
+for f in .device/*.xz; do
+  [ -f "$f" ] || continue; n=$(basename $f .xz)
+  python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' $f $B/$n
+  chmod +x $B/$n
+done
 T=$B/${TESSERA_BIN:-tessera} # the carried CLI binary the steps run (TESSERA_BIN: another)
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 STAGED=${STAGED:-/tmp/stage/gemma-3-270m-q4_k_m.gguf}

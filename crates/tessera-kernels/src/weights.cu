@@ -124,24 +124,36 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
 // (8j + g) / 2, its high part for even columns and its residual for odd ones (4 rows a
 // tile); without, column c is input row c in f16 (8 rows a tile). Zero past m. One thread a
 // lane's 16 bytes. Grid: NT · k/32 · 32 threads.
-// Where a fragment's values come from: rows of x as they are; RMS-normalized (each row
-// times inv[row], times the norm weights y); the same of x + add, the sum written to `sum`;
-// or silu(x) · y, gate and up rows of a gated MLP (candle's silu, x / (1 + e^−x), then the
-// product, as two launches of their own would).
+// Where a fragment's values come from: rows of x as they are; RMS-normalized (times the
+// norm weights); the same of x + add, the sum written out; or silu(x) · y, gate and up
+// rows of a gated MLP (candle's silu, x / (1 + e^−x), then the product, as two launches of
+// their own would).
 #define PLAIN 0
 #define NORMED 1
 #define SILU_GATED 2
 #define ADD_NORMED 3
 
+// A lane's fragment words of positions 4t .. 4t + 3 (v[0..4]) and 16 + 4t .. (v[4..8]) of a
+// block: the values in f16, or with `residual` what f16 left of them, in f16.
+__device__ __forceinline__ uint4 fragment_words(const float (&v)[8], bool residual) {
+    u32 h[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        h[e] = f32_to_f16(v[e]);
+        if (residual) h[e] = f32_to_f16(v[e] - f16_to_f32((u16)h[e]));
+    }
+    // Slots (2t, 2t+1) ← positions (4t, 4t+2); (2t+8, 2t+9) ← (4t+1, 4t+3).
+    return make_uint4(h[0] | (h[2] << 16), h[1] | (h[3] << 16), h[4] | (h[6] << 16),
+                      h[5] | (h[7] << 16));
+}
+
 // Fragment word set i (n8 tile j, block b, lane) of rows `x` (`ld` floats apart) from
-// SOURCE.
+// SOURCE (PLAIN or SILU_GATED; the normed sources have their own launch, normed_inputs).
 template <int SOURCE>
 __device__ __forceinline__ void inputs_body(int i, const float* __restrict__ x,
-                                            const float* __restrict__ y, const float* inv,
+                                            const float* __restrict__ y,
                                             uint4* __restrict__ frag, int m, int k, int ld,
-                                            int nt, int split,
-                                            const float* __restrict__ add = nullptr,
-                                            float* __restrict__ sum = nullptr) {
+                                            int nt, int split) {
     const int kb = k >> 5;
     if (i >= nt * kb * 32) return;
     const int lane = i & 31, b = (i >> 5) % kb, j = (i >> 5) / kb;
@@ -152,42 +164,13 @@ __device__ __forceinline__ void inputs_body(int i, const float* __restrict__ x,
         const size_t at = (size_t)row * ld + 32 * b + 4 * t;
         const float4 lo = ld_prior((const float4*)(x + at)), hi = ld_prior((const float4*)(x + at + 16));
         float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        if (SOURCE == ADD_NORMED) {
-            const float4 al = ld_prior((const float4*)(add + at)), ah = ld_prior((const float4*)(add + at + 16));
-            const float a[8] = {al.x, al.y, al.z, al.w, ah.x, ah.y, ah.z, ah.w};
-#pragma unroll
-            for (int e = 0; e < 8; e++) v[e] += a[e];
-            // Each (row, block, t) has one high-part lane: it writes the sum.
-            if (!residual) {
-                *(float4*)(sum + at) = make_float4(v[0], v[1], v[2], v[3]);
-                *(float4*)(sum + at + 16) = make_float4(v[4], v[5], v[6], v[7]);
-            }
-        }
-        if (SOURCE == NORMED || SOURCE == ADD_NORMED) {
-            const float* wr = y + 32 * b + 4 * t;
-            const float4 wl = __ldg((const float4*)wr), wh = __ldg((const float4*)(wr + 16));
-            const float g[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
-            const float s = inv[row];
-#pragma unroll
-            for (int e = 0; e < 8; e++) v[e] = v[e] * s * g[e];
-        }
         if (SOURCE == SILU_GATED) {
             const float4 ul = ld_prior((const float4*)(y + at)), uh = ld_prior((const float4*)(y + at + 16));
             const float u[8] = {ul.x, ul.y, ul.z, ul.w, uh.x, uh.y, uh.z, uh.w};
 #pragma unroll
             for (int e = 0; e < 8; e++) v[e] = v[e] / (1.f + expf(-v[e])) * u[e];
         }
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; e++) {
-            h[e] = f32_to_f16(v[e]);
-            if (residual) h[e] = f32_to_f16(v[e] - f16_to_f32((u16)h[e]));
-        }
-        // Slots (2t, 2t+1) ← positions (4t, 4t+2); (2t+8, 2t+9) ← (4t+1, 4t+3).
-        out.x = h[0] | (h[2] << 16);
-        out.y = h[1] | (h[3] << 16);
-        out.z = h[4] | (h[6] << 16);
-        out.w = h[5] | (h[7] << 16);
+        out = fragment_words(v, residual);
     }
     frag[i] = out;
 }
@@ -196,8 +179,8 @@ extern "C" __global__ void q4_0_inputs(const float* __restrict__ x, uint4* __res
                                        int m, int k, int nt, int split) {
     release_dependents();
     wait_for_prior();
-    inputs_body<PLAIN>(blockIdx.x * blockDim.x + threadIdx.x, x, nullptr, nullptr, frag, m, k,
-                       k, nt, split);
+    inputs_body<PLAIN>(blockIdx.x * blockDim.x + threadIdx.x, x, nullptr, frag, m, k, k, nt,
+                       split);
 }
 
 // q4_0_inputs of silu(gate) · up, rows `ld` floats apart (views into one gate|up output).
@@ -207,17 +190,21 @@ extern "C" __global__ void q4_0_silu_gated_inputs(const float* __restrict__ gate
                                                   int ld, int nt, int split) {
     release_dependents();
     wait_for_prior();
-    inputs_body<SILU_GATED>(blockIdx.x * blockDim.x + threadIdx.x, gate, up, nullptr, frag, m,
-                            k, ld, nt, split);
+    inputs_body<SILU_GATED>(blockIdx.x * blockDim.x + threadIdx.x, gate, up, frag, m, k, ld,
+                            nt, split);
 }
 
 // q4_0_inputs of RMS-normalized rows, x / sqrt(mean(x²) + eps) · w, as a separate norm
 // launch would give them (f32 throughout); with ADD, of the rows of x + add (the sum as a
 // separate add launch would give it, written to `sum`). One block a fragment column (input
-// row, or its high part or residual; 8 · nt blocks): it sums the squares of its own row
-// (16 KB at k = 4096, from L2), then writes the column's words of every k block. No second
-// launch, no grid sync. (Blocks over the flat word index, each summing every row, took
-// 13 µs a launch at 16 rows on the H200: 8 blocks each reading all 256 KB.)
+// row, or its high part or residual; 8 · nt blocks), a thread one fragment word set (a
+// lane's 8 elements of a k block) of up to NORM_ITEMS: it loads its elements once, the
+// block sums their squares, and the thread writes its words from the same registers. The
+// norm's weights (never written) are loaded before the wait for the launch before. No
+// second launch, no grid sync, one pass over the row from L2. (Blocks over the flat word
+// index, each summing every row, took 13 µs a launch at 16 rows on the H200: 8 blocks each
+// reading all 256 KB.)
+#define NORM_ITEMS 4 // k ≤ 32 · 1024 (weights.rs checks)
 template <bool ADD>
 __device__ __forceinline__ void normed_inputs(const float* __restrict__ x,
                                               const float* __restrict__ add,
@@ -226,39 +213,75 @@ __device__ __forceinline__ void normed_inputs(const float* __restrict__ x,
                                               uint4* __restrict__ frag, int m, int k, int nt,
                                               int split, float eps) {
     __shared__ float partial[32];
-    __shared__ float inv[32];
+    __shared__ float inv;
     release_dependents();
-    wait_for_prior();
     const int c = blockIdx.x, row = split ? c >> 1 : c; // row ≥ m: a zero column
+    const bool residual = split && (c & 1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int kb = k >> 5, words = kb * 4, j = c >> 3, g = c & 7;
+    // Word set idx: k block idx / 4, lane t = idx % 4: elements 32b + 4t .. + 3, + 16 .. + 19.
+    float wv[NORM_ITEMS][8], v[NORM_ITEMS][8];
+#pragma unroll
+    for (int it = 0; it < NORM_ITEMS; it++) {
+        const int idx = threadIdx.x + it * blockDim.x;
+        if (idx < words && row < m) {
+            const float* wr = w + 32 * (idx >> 2) + 4 * (idx & 3);
+            const float4 wl = __ldg((const float4*)wr), wh = __ldg((const float4*)(wr + 16));
+            const float gw[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
+#pragma unroll
+            for (int e = 0; e < 8; e++) wv[it][e] = gw[e];
+        }
+    }
+    wait_for_prior();
     if (row < m) { // the same for the whole block
-        const float4* xr = (const float4*)(x + (size_t)row * k);
-        const float4* ar = (const float4*)(add + (size_t)row * k);
         float s = 0.f;
-        for (int q = threadIdx.x; q < (k >> 2); q += blockDim.x) {
-            float4 v = ld_prior(xr + q);
+#pragma unroll
+        for (int it = 0; it < NORM_ITEMS; it++) {
+            const int idx = threadIdx.x + it * blockDim.x;
+            if (idx >= words) continue;
+            const size_t at = (size_t)row * k + 32 * (idx >> 2) + 4 * (idx & 3);
+            const float4 lo = ld_prior((const float4*)(x + at)), hi = ld_prior((const float4*)(x + at + 16));
+            float r[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
             if (ADD) {
-                const float4 a = ld_prior(ar + q);
-                v = make_float4(v.x + a.x, v.y + a.y, v.z + a.z, v.w + a.w);
+                const float4 al = ld_prior((const float4*)(add + at)), ah = ld_prior((const float4*)(add + at + 16));
+                const float a[8] = {al.x, al.y, al.z, al.w, ah.x, ah.y, ah.z, ah.w};
+#pragma unroll
+                for (int e = 0; e < 8; e++) r[e] += a[e];
+                // Each row has one high-part column: its block writes the sum.
+                if (!residual) {
+                    *(float4*)(sum + at) = make_float4(r[0], r[1], r[2], r[3]);
+                    *(float4*)(sum + at + 16) = make_float4(r[4], r[5], r[6], r[7]);
+                }
             }
-            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                v[it][e] = r[e];
+                s += r[e] * r[e];
+            }
         }
 #pragma unroll
         for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (lane == 0) partial[warp] = s;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float total = 0.f;
+            for (int q = 0; q < warps; q++) total += partial[q];
+            inv = rsqrtf(total / (float)k + eps);
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    if (threadIdx.x == 0 && row < m) {
-        float s = 0.f;
-        for (int q = 0; q < warps; q++) s += partial[q];
-        inv[row] = rsqrtf(s / (float)k + eps);
-    }
-    __syncthreads();
-    const int kb = k >> 5, j = c >> 3, g = c & 7;
-    for (int idx = threadIdx.x; idx < kb * 4; idx += blockDim.x) {
-        const int i = ((j * kb + (idx >> 2)) << 5) + (g << 2) + (idx & 3);
-        if (ADD) inputs_body<ADD_NORMED>(i, x, w, inv, frag, m, k, k, nt, split, add, sum);
-        else inputs_body<NORMED>(i, x, w, inv, frag, m, k, k, nt, split);
+#pragma unroll
+    for (int it = 0; it < NORM_ITEMS; it++) {
+        const int idx = threadIdx.x + it * blockDim.x;
+        if (idx >= words) continue;
+        uint4 out = make_uint4(0u, 0u, 0u, 0u);
+        if (row < m) {
+            float n[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) n[e] = v[it][e] * inv * wv[it][e];
+            out = fragment_words(n, residual);
+        }
+        frag[((j * kb + (idx >> 2)) << 5) + (g << 2) + (idx & 3)] = out;
     }
 }
 

@@ -10,7 +10,7 @@
 use crate::cuda::compile_source;
 use crate::dependent::DependentLaunch;
 use crate::{q4_0_planes, Q4_0_OCTET, Q4_0_ROWS, WEIGHTS_CU};
-use anyhow::{anyhow, Context};
+use anyhow::{anyhow, bail, Context};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::cublas::{result as cublas, sys as cublas_sys};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -32,6 +32,9 @@ pub const SPLIT_UP_TO: usize = 8;
 pub const GEMM_FROM: usize = 256;
 /// Threads of a GEMM input launch (weights.cu's GEMM_INPUT_THREADS): one block a row.
 const GEMM_INPUT_THREADS: u32 = 256;
+/// The widest row a normed input launch takes: 1024 threads of NORM_ITEMS (weights.cu) word
+/// sets of 8 columns.
+const NORMED_MAX_K: usize = 1024 * 4 * 8;
 
 /// Input rows a launch takes: 4 n8 tiles of split (two-column) or plain rows.
 fn rows_per_launch(split: bool) -> usize {
@@ -457,7 +460,14 @@ impl Q4Matrix {
                 Source::Normed { weight, eps, add } => {
                     // Also: `weight` holds k floats (checked by the caller), `add` and `sum`
                     // the rows as `xs` does, contiguous; the kernel's norms hold at most 32
-                    // rows (`per_launch`), its blocks at most 32 warps.
+                    // rows (`per_launch`), its blocks at most 32 warps, each thread at most
+                    // NORM_ITEMS (4) word sets of a row.
+                    if self.k > NORMED_MAX_K {
+                        bail!(
+                            "a normed input of {} columns (at most {NORMED_MAX_K})",
+                            self.k
+                        );
+                    }
                     let (hs, mut ss);
                     let kernel = match add {
                         Some((h, sum)) => {
