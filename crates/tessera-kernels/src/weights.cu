@@ -33,7 +33,8 @@
 // No CUDA headers: f16 and bf16 are converted by hand, so NVRTC needs no include path.
 
 // Build choices (weights-bench's `variants` compiles others and times them; NOTES.md keeps
-// the ones that lost: an L2 prefetch of the block's tiles, one register set instead of two):
+// the ones that lost: an L2 prefetch of the block's tiles, one register set instead of two, a
+// shared-memory ring of up to 5 octets in flight a warp by cp.async):
 //   B_AHEAD    1: with one n8 tile, an octet's B fragments are loaded with its codes (one
 //              octet ahead, 32 registers a set); 0: at their use, like wider launches'.
 //   MIN_WARPS  the launch bounds ask for MIN_WARPS / W blocks an SM: at 12 the compiler
@@ -117,6 +118,13 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                  : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]),
                    "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// RoPE of one adjacent pair (llama.cpp's "normal" RoPE, candle's rope_i) at angle (c, s):
+// (e, o) → (e·c − o·s, e·s + o·c), each product rounded before the fused add, so the matmul's
+// epilogue and the GEMM path's `rope_pairs` give the same bits.
+__device__ __forceinline__ float rotated(float e, float o, float c, float s, bool odd) {
+    return odd ? fmaf(e, s, __fmul_rn(o, c)) : fmaf(e, c, -__fmul_rn(o, s));
 }
 
 // B fragments for the input rows of `x` (row-major, k floats each): per n8 tile j, per block
@@ -384,11 +392,15 @@ __device__ __forceinline__ void mma_octet(float (&acc)[RT][NT][4], const Octet<N
 // RT tiles of 16 rows; its warps split the octets (warp w: octets w, w + W, …), the next
 // octet's loads in flight while one computes (two register sets, alternated by an unrolled
 // pair of steps so that neither is indexed at run time); partial sums meet in shared
-// memory. Grid: n / (16·RT) blocks of 32·W threads.
+// memory. With rope_cols > 0 the output rows below it (whole heads of 2·half) leave RoPE'd
+// over adjacent pairs (`rotated`), at the angles of tables `cos` and `sin` (half entries an
+// input row): a decoder's q|k needs no launch of its own. Grid: n / (16·RT) blocks of 32·W
+// threads.
 template <int NT, int RT, int W>
 __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restrict__ scales,
                          const uint4* __restrict__ frag, float* __restrict__ y, int m, int n,
-                         int k, int split) {
+                         int k, int split, const float* __restrict__ cos,
+                         const float* __restrict__ sin, int rope_cols, int half) {
     release_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // With one n8 tile, lanes whose column holds no input all read lane 31's zero fragment
@@ -447,10 +459,26 @@ __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restric
         const int in = i / (RT * 16), rr = i % (RT * 16); // consecutive threads, consecutive rows
         const int row = tile0 * 16 + rr;
         if (in >= m || row >= n) continue;
-        float v = 0.0f;
+        // Output rr's total over the warps, with a split input's two columns added.
+        auto total = [&](int r) {
+            float v = 0.0f;
 #pragma unroll
-        for (int w = 0; w < W; w++)
-            v += split ? part[w][rr][2 * in] + part[w][rr][2 * in + 1] : part[w][rr][in];
+            for (int w = 0; w < W; w++)
+                v += split ? part[w][r][2 * in] + part[w][r][2 * in + 1] : part[w][r][in];
+            return v;
+        };
+        float v = total(rr);
+        if (row < rope_cols) {
+            // Output row `row` of input row `in` is element row % head of a head: its pair's
+            // other row is rr ^ 1 (same tile), its angle table entry (row / 2) % half of the
+            // input row's. The tables are the step's, written before it (from L2, like any
+            // earlier kernel's output).
+            const float other = total(rr ^ 1);
+            const size_t at = (size_t)in * half + ((row >> 1) % half);
+            const bool odd = row & 1;
+            v = odd ? rotated(other, v, __ldcg(cos + at), __ldcg(sin + at), true)
+                    : rotated(v, other, __ldcg(cos + at), __ldcg(sin + at), false);
+        }
         y[(size_t)in * n + row] = v;
     }
 }
@@ -461,14 +489,31 @@ __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restric
     extern "C" __global__ void __launch_bounds__(32 * W, MIN_WARPS / W)                     \
         q4_0_mma_##NT##_##RT##_##W(                                                          \
         const uint4* codes, const uint4* scales, const uint4* frag, float* y, int m, int n,  \
-        int k, int split) {                                                                  \
-        q4_0_mma<NT, RT, W>(codes, scales, frag, y, m, n, k, split);                         \
+        int k, int split, const float* cos, const float* sin, int rope_cols, int half) {     \
+        q4_0_mma<NT, RT, W>(codes, scales, frag, y, m, n, k, split, cos, sin, rope_cols,     \
+                            half);                                                           \
     }
 #define MMA_KERNELS(RT, W) MMA_KERNEL(1, RT, W) MMA_KERNEL(2, RT, W) MMA_KERNEL(4, RT, W)
 MMA_KERNELS(1, 4)
 MMA_KERNELS(2, 4)
 MMA_KERNELS(1, 8)
 MMA_KERNELS(2, 8)
+
+// The mma epilogue's RoPE for outputs the GEMM path made: y (m rows of n), its first
+// rope_cols columns of each row rotated in place. One thread a pair.
+extern "C" __global__ void rope_pairs(float* __restrict__ y, const float* __restrict__ cos,
+                                      const float* __restrict__ sin, int m, int n,
+                                      int rope_cols, int half) {
+    const int pairs = rope_cols >> 1;
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)m * pairs) return;
+    const int in = (int)(i / pairs), p = (int)(i % pairs);
+    float* at = y + (size_t)in * n + 2 * p;
+    const size_t t = (size_t)in * half + (p % half);
+    const float e = at[0], o = at[1], c = cos[t], s = sin[t];
+    at[0] = rotated(e, o, c, s, false);
+    at[1] = rotated(e, o, c, s, true);
+}
 
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
     u16 h;

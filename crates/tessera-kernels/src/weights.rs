@@ -22,7 +22,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
-use tessera_models::device_weights::{residual_sum, DeviceMatrix, WeightBackend};
+use tessera_models::device_weights::{residual_sum, DeviceMatrix, PairRope, WeightBackend};
 
 /// Most input rows whose launches split each row into an f16 high part and residual (f32-like
 /// products, 1–2e-7); more rows enter as f16 (≤ 2e-4), 32 a launch. At 9–16 rows the split
@@ -67,12 +67,16 @@ impl MmaShape {
             .collect()
     }
 
-    /// The shape the model uses for an `n`-row matrix: matrices of few tiles (an 8B's o and
-    /// down, 256 tiles) ran fastest as 2 tiles × 8 warps, the rest as 1 × 4 (weights-bench
-    /// on the H200, 1–16 input rows, NOTES.md).
-    pub fn for_matrix(n: usize) -> MmaShape {
+    /// The shape the model uses for matrices of few tiles (an 8B's o and down, 256 tiles):
+    /// 2 tiles × 8 warps ran fastest there, 1 × 4 elsewhere (weights-bench on the H200, 1–16
+    /// input rows, NOTES.md).
+    pub const SMALL: MmaShape = MmaShape { tiles: 2, warps: 8 };
+
+    /// The shape the model uses for an `n`-row matrix, `small` for those of ≤ 4096 rows
+    /// ([`MmaShape::SMALL`] unless a weights-bench variant says otherwise).
+    pub fn for_matrix(n: usize, small: MmaShape) -> MmaShape {
         if n <= 4096 {
-            MmaShape { tiles: 2, warps: 8 }
+            small
         } else {
             MmaShape { tiles: 1, warps: 4 }
         }
@@ -131,10 +135,14 @@ struct Kernels {
     /// `inputs` of silu(gate) · up.
     gated_inputs: CudaFunction,
     to_bf16: CudaFunction,
+    /// RoPE over adjacent pairs of a GEMM's output (the mma launches fold it).
+    rope_pairs: CudaFunction,
     /// A GEMM's bf16 input rows from each [`Source`]: plain, normed, add-normed, gated.
     gemm_inputs: [CudaFunction; 4],
     /// [`CudaWeights`]'s `split_up_to`.
     split_up_to: usize,
+    /// [`CudaWeights`]'s `small_shape`.
+    small_shape: MmaShape,
     /// The B fragments' scratch, shared by every matrix: launches on one stream run in
     /// order, so a matmul's fragments are read before the next one writes them.
     fragments: Mutex<Option<CudaSlice<u32>>>,
@@ -179,6 +187,8 @@ pub struct CudaWeights {
     defines: String,
     /// Most input rows split into high parts and residuals ([`SPLIT_UP_TO`] for the model).
     split_up_to: usize,
+    /// The launch shape of matrices of ≤ 4096 rows ([`MmaShape::for_matrix`]).
+    small_shape: MmaShape,
 }
 
 impl Default for CudaWeights {
@@ -196,7 +206,15 @@ impl CudaWeights {
             kernels: Mutex::new(None),
             defines: defines.to_string(),
             split_up_to,
+            small_shape: MmaShape::SMALL,
         }
+    }
+
+    /// The same backend launching matrices of ≤ 4096 rows as `shape` (weights-bench's
+    /// variants).
+    pub fn with_small_shape(mut self, shape: MmaShape) -> Self {
+        self.small_shape = shape;
+        self
     }
 
     /// `m` for this backend's kernels, sharing its planes on the device.
@@ -236,6 +254,7 @@ impl CudaWeights {
             add_normed_inputs: module.load_function("q4_0_add_normed_inputs")?,
             gated_inputs: module.load_function("q4_0_silu_gated_inputs")?,
             to_bf16: module.load_function("q4_0_to_bf16")?,
+            rope_pairs: module.load_function("rope_pairs")?,
             gemm_inputs: [
                 module.load_function("gemm_inputs_plain")?,
                 module.load_function("gemm_inputs_normed")?,
@@ -243,6 +262,7 @@ impl CudaWeights {
                 module.load_function("gemm_inputs_silu_gated")?,
             ],
             split_up_to: self.split_up_to,
+            small_shape: self.small_shape,
             fragments: Mutex::new(None),
         });
         *slot = Some(k.clone());
@@ -363,6 +383,14 @@ impl Rows<'_> {
     }
 }
 
+/// A [`PairRope`]'s tables on the device: `half` floats a row, one row an input row.
+struct RopeRows<'a> {
+    cos: Rows<'a>,
+    sin: Rows<'a>,
+    columns: usize,
+    half: usize,
+}
+
 /// What a matmul's input launch makes its fragments of (weights.cu's `SOURCE`s).
 enum Source<'a> {
     /// The rows as they are.
@@ -412,6 +440,7 @@ impl Q4Matrix {
         m: usize,
         shape: MmaShape,
         mut source: Source<'_>,
+        rope: Option<&RopeRows<'_>>,
     ) -> anyhow::Result<CudaSlice<f32>> {
         let stream = self.kernels.device.cuda_stream();
         // SAFETY: the launches below write every element before anything reads it.
@@ -508,14 +537,29 @@ impl Q4Matrix {
                 .and_then(|i| self.kernels.mma.get(i))
                 .ok_or_else(|| anyhow!("no tensor-core kernel {}", shape.kernel_name(nt)))?;
             let mut ys = y.slice_mut(first * self.n..(first + rows) * self.n);
+            // The launch's rows of the RoPE tables; without RoPE, no columns (the pointers,
+            // the code plane's, are never read).
+            let tables = rope.map(|r| {
+                (
+                    r.cos.view(first, rows, r.half),
+                    r.sin.view(first, rows, r.half),
+                )
+            });
+            let (rope_cols, half) = rope.map_or((0, 1), |r| (r.columns as i32, r.half as i32));
             let mut l = DependentLaunch::new(&stream);
             l.input(self.codes.as_ref())
                 .input(self.scales.as_ref())
                 .input(&*frag);
             l.output(&mut ys).int(rows_i).int(n).int(k).int(split_i);
+            match &tables {
+                Some((cos, sin)) => l.input(cos).input(sin),
+                None => l.input(self.codes.as_ref()).input(self.codes.as_ref()),
+            };
+            l.int(rope_cols).int(half);
             // SAFETY: the planes hold n/16 tiles of k/2 · 16 code bytes and k/32 · 16 scales,
-            // frag the fragments written above, ys `rows` rows of n; the kernel reads and
-            // writes no more.
+            // frag the fragments written above, ys `rows` rows of n, the tables `rows` rows of
+            // `half` (checked by the caller) where rope_cols > 0; the kernel reads and writes
+            // no more.
             unsafe { l.launch(kernel, cfg)? };
         }
         Ok(y)
@@ -524,7 +568,13 @@ impl Q4Matrix {
     /// `y = x · Wᵀ` for the `m` rows of `x`, made from `source`, by one bf16 GEMM (cuBLAS,
     /// f32 accumulation and output): one launch writes the inputs as bf16 rows, one
     /// dequantizes W, then the GEMM.
-    fn gemm(&self, x: Rows<'_>, m: usize, source: Source<'_>) -> anyhow::Result<CudaSlice<f32>> {
+    fn gemm(
+        &self,
+        x: Rows<'_>,
+        m: usize,
+        source: Source<'_>,
+        rope: Option<&RopeRows<'_>>,
+    ) -> anyhow::Result<CudaSlice<f32>> {
         let stream = self.kernels.device.cuda_stream();
         let (k, ld) = (self.k as i32, x.ld as i32);
         let xs = x.view(0, m, self.k);
@@ -610,6 +660,18 @@ impl Q4Matrix {
                 )?;
             }
         }
+        if let Some(r) = rope {
+            // The mma epilogue's RoPE as a launch of its own, one thread a pair.
+            let (cos, sin) = (r.cos.view(0, m, r.half), r.sin.view(0, m, r.half));
+            let (cols, half) = (r.columns as i32, r.half as i32);
+            let cfg = LaunchConfig::for_num_elems((m * r.columns / 2) as u32);
+            let mut l = stream.launch_builder(&self.kernels.rope_pairs);
+            l.arg(&mut y).arg(&cos).arg(&sin).arg(&m_i).arg(&n);
+            l.arg(&cols).arg(&half);
+            // SAFETY: y holds m rows of n ≥ cols floats, the tables m rows of `half` (checked
+            // by the caller); one thread a pair of the first cols columns.
+            unsafe { l.launch(cfg)? };
+        }
         Ok(y)
     }
 
@@ -620,10 +682,11 @@ impl Q4Matrix {
         m: usize,
         path: Path,
         source: Source<'_>,
+        rope: Option<&RopeRows<'_>>,
     ) -> anyhow::Result<CudaSlice<f32>> {
         match path {
-            Path::Mma(shape) => self.mma(x, m, shape, source),
-            Path::Gemm => self.gemm(x, m, source),
+            Path::Mma(shape) => self.mma(x, m, shape, source, rope),
+            Path::Gemm => self.gemm(x, m, source, rope),
         }
     }
 
@@ -632,7 +695,7 @@ impl Q4Matrix {
         if m >= GEMM_FROM {
             Path::Gemm
         } else {
-            Path::Mma(MmaShape::for_matrix(self.n))
+            Path::Mma(MmaShape::for_matrix(self.n, self.kernels.small_shape))
         }
     }
 
@@ -664,7 +727,8 @@ impl Q4Matrix {
         }
         let x = x.to_dtype(DType::F32)?.contiguous()?;
         let y = with_rows(&x, self.k, |rows| {
-            self.run(rows, m, path, Source::Plain).map_err(candle_error)
+            self.run(rows, m, path, Source::Plain, None)
+                .map_err(candle_error)
         })?;
         Ok(wrap(&self.kernels.device, y, &out_dims))
     }
@@ -679,8 +743,12 @@ impl Q4Matrix {
         weight: &Tensor,
         eps: f32,
         path: Path,
+        rope: Option<&PairRope<'_>>,
     ) -> candle_core::Result<(Tensor, Tensor)> {
         let (m, out_dims) = self.path_shapes(x, path)?;
+        if let Some(r) = rope {
+            r.check(m, self.n)?;
+        }
         if weight.dims() != [self.k] {
             candle_core::bail!("norm weights {:?} for a width of {}", weight.dims(), self.k);
         }
@@ -693,8 +761,15 @@ impl Q4Matrix {
         }
         let x = x.to_dtype(DType::F32)?.contiguous()?;
         let weight = weight.to_dtype(DType::F32)?.contiguous()?;
+        // The tables as the launches take them (contiguous f32).
+        let tables = rope
+            .map(|r| -> candle_core::Result<_> {
+                let f = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+                Ok((f(r.cos)?, f(r.sin)?, r.columns, r.half()?))
+            })
+            .transpose()?;
         let Some(add) = add else {
-            let y = self.run_normed(&x, &weight, eps, m, path, None)?;
+            let y = self.run_normed(&x, &weight, eps, m, path, None, tables.as_ref())?;
             return Ok((x, wrap(&self.kernels.device, y, &out_dims)));
         };
         let add = add.to_dtype(DType::F32)?.contiguous()?;
@@ -702,13 +777,23 @@ impl Q4Matrix {
         // SAFETY: the input launches write every row of the sum before anything reads it.
         let mut sum = unsafe { stream.alloc::<f32>(m * self.k) }.map_err(candle_error)?;
         let y = with_rows(&add, self.k, |h| {
-            self.run_normed(&x, &weight, eps, m, path, Some((h, &mut sum)))
+            self.run_normed(
+                &x,
+                &weight,
+                eps,
+                m,
+                path,
+                Some((h, &mut sum)),
+                tables.as_ref(),
+            )
         })?;
         let device = &self.kernels.device;
         Ok((wrap(device, sum, x.dims()), wrap(device, y, &out_dims)))
     }
 
-    /// [`Q4Matrix::normed_by`]'s launches, of contiguous f32 `x` and `weight`.
+    /// [`Q4Matrix::normed_by`]'s launches, of contiguous f32 `x`, `weight` and RoPE tables
+    /// (cos, sin, columns, half).
+    #[allow(clippy::too_many_arguments)]
     fn run_normed(
         &self,
         x: &Tensor,
@@ -717,14 +802,30 @@ impl Q4Matrix {
         m: usize,
         path: Path,
         add: Option<(Rows<'_>, &mut CudaSlice<f32>)>,
+        tables: Option<&(Tensor, Tensor, usize, usize)>,
     ) -> candle_core::Result<CudaSlice<f32>> {
-        with_rows(weight, self.k, |w| {
-            with_rows(x, self.k, |rows| {
-                let weight = w.view(0, 1, self.k);
-                self.run(rows, m, path, Source::Normed { weight, eps, add })
-                    .map_err(candle_error)
+        let normed = |rope: Option<&RopeRows<'_>>| {
+            with_rows(weight, self.k, |w| {
+                with_rows(x, self.k, |rows| {
+                    let weight = w.view(0, 1, self.k);
+                    self.run(rows, m, path, Source::Normed { weight, eps, add }, rope)
+                        .map_err(candle_error)
+                })
             })
-        })
+        };
+        match tables {
+            None => normed(None),
+            Some((cos, sin, columns, half)) => with_rows(cos, *half, |cos| {
+                with_rows(sin, *half, |sin| {
+                    normed(Some(&RopeRows {
+                        cos,
+                        sin,
+                        columns: *columns,
+                        half: *half,
+                    }))
+                })
+            }),
+        }
     }
 
     /// `(silu(gate) · up) · Wᵀ` by `path`, the activation and product folded into the launch
@@ -749,7 +850,7 @@ impl Q4Matrix {
         };
         let y = with_rows(&up, ld, |up| {
             with_rows(&gate, ld, |rows| {
-                self.run(rows, m, path, Source::SiluGated(up))
+                self.run(rows, m, path, Source::SiluGated(up), None)
                     .map_err(candle_error)
             })
         })?;
@@ -849,6 +950,25 @@ impl DeviceMatrix for Q4Matrix {
             weight,
             eps,
             self.path(x.elem_count() / self.k.max(1)),
+            None,
+        )
+    }
+
+    fn forward_normed_roped(
+        &self,
+        x: &Tensor,
+        add: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f32,
+        rope: &PairRope<'_>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        self.normed_by(
+            x,
+            add,
+            weight,
+            eps,
+            self.path(x.elem_count() / self.k.max(1)),
+            Some(rope),
         )
     }
     fn as_any(&self) -> &dyn Any {

@@ -18,6 +18,7 @@
 //!   writes nor reads a window for `qwen2`; a file declaring a window shorter than its
 //!   context is refused rather than silently run unwindowed ([`DecoderConfig::from_gguf`]).
 
+use crate::device_weights::PairRope;
 use crate::gguf::{q5_0_as_q8_0, GgufFile};
 use crate::q8::{Linear, Projections};
 use crate::{LoadOptions, LogitsMode, MlpActivation, ModelError};
@@ -483,6 +484,19 @@ impl Rope {
         })
     }
 
+    /// The tables as [`PairRope`]'s `(rows, half)`, where this RoPE is over adjacent pairs
+    /// (the only kind a matmul's epilogue folds: a pair's two values are neighbouring rows).
+    fn pair_tables(&self) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        if !self.interleaved {
+            return Ok(None);
+        }
+        let (b, n, half) = self.cos.dims3()?;
+        Ok(Some((
+            self.cos.reshape((b * n, half))?,
+            self.sin.reshape((b * n, half))?,
+        )))
+    }
+
     fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let x = x.contiguous()?;
         if self.interleaved {
@@ -537,12 +551,34 @@ impl Attention {
             // Heads of one width: the stacked output is transposed to heads-major once, and
             // q|k (roped as one) and v are views of it. A prefill chunk makes one copy of
             // q|k|v rather than a reshape copy and a transpose copy of q|k and of v each.
+            // RoPE over adjacent pairs is folded into a device matmul where there is one
+            // (no bias to add first).
             None if self.value_dim == self.head_dim => {
-                let (x, parts) = self.qkv.forward_normed(s, norm, bias, &[3])?;
-                let [qkv]: [Tensor; 1] = parts.try_into().map_err(|_| missing())?;
                 let heads = self.heads + self.kv_heads;
+                let folded = match (bias, rope.pair_tables()?) {
+                    (None, Some((cos, sin))) => {
+                        let pairs = PairRope {
+                            cos: &cos,
+                            sin: &sin,
+                            columns: heads * self.head_dim,
+                        };
+                        self.qkv.forward_normed_roped(s, norm, &[3], &pairs)?
+                    }
+                    _ => None,
+                };
+                let roped = folded.is_some();
+                let (x, parts) = match folded {
+                    Some(f) => f,
+                    None => self.qkv.forward_normed(s, norm, bias, &[3])?,
+                };
+                let [qkv]: [Tensor; 1] = parts.try_into().map_err(|_| missing())?;
                 let qkv = split(qkv, heads + self.kv_heads, self.head_dim)?;
-                let qk = rope.apply(&qkv.narrow(1, 0, heads)?)?;
+                let qk = qkv.narrow(1, 0, heads)?;
+                let qk = if roped {
+                    qk.contiguous()?
+                } else {
+                    rope.apply(&qk)?
+                };
                 let q = qk.narrow(1, 0, self.heads)?;
                 let k = qk.narrow(1, self.heads, self.kv_heads)?;
                 let v = qkv.narrow(1, heads, self.kv_heads)?.contiguous()?;

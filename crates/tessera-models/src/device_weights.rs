@@ -30,6 +30,20 @@ pub trait DeviceMatrix: Send + Sync {
         let y = self.forward(&rms_norm(&s, weight, eps)?)?;
         Ok((s, y))
     }
+    /// [`DeviceMatrix::forward_normed`] with the output's leading `rope.columns` columns
+    /// RoPE'd over adjacent pairs ([`PairRope`]): a backend whose matmul writes its outputs
+    /// from an epilogue rotates them there, a decoder's q|k then needs no launch of its own.
+    fn forward_normed_roped(
+        &self,
+        x: &Tensor,
+        add: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f32,
+        rope: &PairRope<'_>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (s, y) = self.forward_normed(x, add, weight, eps)?;
+        Ok((s, rope.apply(&y)?))
+    }
     /// `(silu(gate) · up) · Wᵀ`, a gated MLP's down projection; as with the norm, a backend
     /// folds the activation and product into its input preparation.
     fn forward_silu_gated(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
@@ -37,6 +51,69 @@ pub trait DeviceMatrix: Send + Sync {
     }
     /// The concrete matrix, for [`WeightBackend::stack`].
     fn as_any(&self) -> &dyn Any;
+}
+
+/// RoPE over adjacent pairs (2i, 2i + 1) of a matmul's leading output columns, llama.cpp's
+/// "normal" RoPE (candle's `rope_i`): columns `2i, 2i + 1` of output row r become
+/// `(e·c − o·s, e·s + o·c)` at `c, s` = entry `i % half` of the tables' row r. The columns
+/// are whole heads of `2·half`.
+pub struct PairRope<'a> {
+    /// `(rows, half)` f32, one row per input row of the matmul.
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    pub columns: usize,
+}
+
+impl PairRope<'_> {
+    /// Pairs in a row of the tables.
+    pub fn half(&self) -> Result<usize> {
+        self.cos.dim(1)
+    }
+
+    /// Checks the tables against a matmul of `rows` input rows and `n` output columns.
+    pub fn check(&self, rows: usize, n: usize) -> Result<()> {
+        let half = self.half()?;
+        if self.cos.dims() != [rows, half]
+            || self.sin.dims() != [rows, half]
+            || half == 0
+            || self.columns > n
+            || !self.columns.is_multiple_of(2 * half)
+        {
+            candle_core::bail!(
+                "RoPE tables {:?} / {:?} over {} of {n} columns for {rows} rows",
+                self.cos.dims(),
+                self.sin.dims(),
+                self.columns
+            );
+        }
+        Ok(())
+    }
+
+    /// `y` (`(…, n)`, f32) with its leading columns rotated, by tensor ops: the definition,
+    /// for backends that do not fold it.
+    pub fn apply(&self, y: &Tensor) -> Result<Tensor> {
+        let n = y.dim(candle_core::D::Minus1)?;
+        let rows = y.elem_count() / n.max(1);
+        self.check(rows, n)?;
+        let half = self.half()?;
+        let heads = self.columns / (2 * half);
+        let y2 = y.reshape((rows, n))?;
+        let pairs = y2
+            .narrow(1, 0, self.columns)?
+            .reshape((rows, heads, half, 2))?;
+        let (e, o) = (pairs.narrow(3, 0, 1)?, pairs.narrow(3, 1, 1)?);
+        let c = self.cos.reshape((rows, 1, half, 1))?;
+        let s = self.sin.reshape((rows, 1, half, 1))?;
+        let re = (e.broadcast_mul(&c)? - o.broadcast_mul(&s)?)?;
+        let ro = (e.broadcast_mul(&s)? + o.broadcast_mul(&c)?)?;
+        let roped = Tensor::cat(&[re, ro], 3)?.reshape((rows, self.columns))?;
+        let out = if self.columns < n {
+            Tensor::cat(&[roped, y2.narrow(1, self.columns, n - self.columns)?], 1)?
+        } else {
+            roped
+        };
+        out.reshape(y.dims())
+    }
 }
 
 /// Makes device matrices.
@@ -122,6 +199,60 @@ mod tests {
                 None => Ok(None),
             }
         }
+    }
+
+    /// The fold's definition against candle's `rope_i` on the heads it rotates (an
+    /// independent implementation), the columns past them untouched, bad tables refused.
+    #[test]
+    fn pair_rope_is_candles_rope_i_on_the_leading_heads() {
+        let dev = Device::Cpu;
+        let (rows, heads, half, rest) = (3usize, 4usize, 8usize, 16usize);
+        let columns = heads * 2 * half;
+        let y = Tensor::randn(0f32, 1.0, (rows, 1, columns + rest), &dev).unwrap();
+        let cos = Tensor::randn(0f32, 1.0, (rows, half), &dev).unwrap();
+        let sin = Tensor::randn(0f32, 1.0, (rows, half), &dev).unwrap();
+        let rope = PairRope {
+            cos: &cos,
+            sin: &sin,
+            columns,
+        };
+        let got = rope.apply(&y).unwrap();
+        assert_eq!(got.dims(), y.dims());
+        let heads_major = |t: &Tensor| {
+            t.narrow(2, 0, columns)
+                .and_then(|t| t.reshape((rows, 1, heads, 2 * half)))
+                .and_then(|t| t.transpose(1, 2))
+                .and_then(|t| t.contiguous())
+                .unwrap()
+        };
+        let want = candle_nn::rotary_emb::rope_i(
+            &heads_major(&y),
+            &cos.reshape((rows, 1, half)).unwrap(),
+            &sin.reshape((rows, 1, half)).unwrap(),
+        )
+        .unwrap();
+        let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+        let (g, w) = (flat(&heads_major(&got)), flat(&want));
+        let worst = g
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 1e-5,
+            "rotated columns differ from rope_i by {worst}"
+        );
+        assert_eq!(
+            flat(&got.narrow(2, columns, rest).unwrap()),
+            flat(&y.narrow(2, columns, rest).unwrap()),
+            "columns past the heads changed"
+        );
+        let short = PairRope {
+            cos: &cos,
+            sin: &sin,
+            columns: columns + 2,
+        };
+        assert!(short.apply(&y).is_err(), "a partial head was accepted");
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! more activation rows go to AMX int8 tiles instead ([`crate::q8_amx`]).
 
 use crate::decoder::{Residual, RmsNorm};
-use crate::device_weights::rms_norm;
+use crate::device_weights::{rms_norm, PairRope};
 use crate::kquant::KMatrix;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{Result, Tensor};
@@ -1132,6 +1132,37 @@ impl Projections {
                 Ok((sum, Self::split_biased(all, &widths, bias)?))
             }
         }
+    }
+
+    /// [`Projections::forward_normed`] (no bias) with the stacked output's leading columns
+    /// RoPE'd by the device matrix
+    /// ([`crate::device_weights::DeviceMatrix::forward_normed_roped`]), or `None` where
+    /// the parts are not one device matrix (the caller then ropes them itself).
+    pub(crate) fn forward_normed_roped(
+        &self,
+        s: &Residual,
+        norm: &RmsNorm,
+        joined: &[usize],
+        rope: &PairRope<'_>,
+    ) -> Result<Option<(Tensor, Vec<Tensor>)>> {
+        let Projections::Stacked {
+            matrix: Linear::Device(m),
+            widths,
+        } = self
+        else {
+            return Ok(None);
+        };
+        if joined.iter().sum::<usize>() != widths.len() || joined.contains(&0) {
+            candle_core::bail!("{} projections joined as {joined:?}", widths.len());
+        }
+        let (sum, all) =
+            m.forward_normed_roped(&s.x, s.pending.as_ref(), &norm.weight, norm.eps, rope)?;
+        let mut parts = widths.iter();
+        let widths: Vec<usize> = joined
+            .iter()
+            .map(|&j| parts.by_ref().take(j).sum())
+            .collect();
+        Ok(Some((sum, Self::split_biased(all, &widths, None)?)))
     }
 
     /// [`Projections::forward`] plus `bias`, the parts' biases concatenated (one value per

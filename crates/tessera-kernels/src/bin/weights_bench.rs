@@ -16,7 +16,8 @@
 //!   launches (every block shape, and the model's choice), by our bf16 GEMM, and by candle,
 //!   and the GB/s the weights stream at; for 1, 8 and 16 rows, each kind of matrix alone.
 //! - variants: weights.cu's build choices (B_AHEAD, MIN_WARPS, any `#define`) and the host's
-//!   SPLIT_UP_TO, each `--variant=NAME=V,NAME=V` (the flags replace the default list):
+//!   SPLIT_UP_TO and small matrices' launch shape (SMALL=1x4), each `--variant=NAME=V,NAME=V`
+//!   (the flags replace the default list):
 //!   parity against the f64 reference on two shapes through the model's entry point (a miss
 //!   fails the run), then its launches timed per kind of matrix and for the whole forward at
 //!   1, 4, 8, 16 and 32 rows.
@@ -31,7 +32,7 @@ use std::time::Instant;
 use tessera_kernels::tally::Tally;
 use tessera_kernels::weights::CudaWeights;
 use tessera_kernels::weights::{MmaShape, Q4Matrix, SPLIT_UP_TO};
-use tessera_models::device_weights::{DeviceMatrix, WeightBackend};
+use tessera_models::device_weights::{DeviceMatrix, PairRope, WeightBackend};
 
 struct Rng(u64);
 impl Rng {
@@ -233,6 +234,34 @@ fn parity(device: &Device, backend: &CudaWeights, tally: &mut Tally) -> Result<(
         let (sum, got) = policy.forward_normed(&xt, Some(&ht), &wt, eps)?;
         checks.push((", add-normed", got, reference_out(&rows, &normed(&s), k)));
         let same_sum = sum.flatten_all()?.to_vec1::<f32>()? == s;
+        // RoPE over adjacent pairs folded into the matmul (the epilogue, or the GEMM path's
+        // launch): 7 heads of 128 of the 1008 output columns rotated, in f64 after the
+        // reference matmul, at random angles per input row.
+        let (half, heads) = (64usize, 7usize);
+        let angles: Vec<f64> = (0..m * half).map(|_| rng.unit() * 6.3).collect();
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos() as f32).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin() as f32).collect();
+        let mut roped = reference_out(&rows, &normed(&s), k);
+        for (i, out) in roped.chunks_mut(n).enumerate() {
+            for p in 0..heads * half {
+                let t = i * half + p % half;
+                let (c, sn) = (cos[t] as f64, sin[t] as f64);
+                let (e, o) = (out[2 * p], out[2 * p + 1]);
+                out[2 * p] = e * c - o * sn;
+                out[2 * p + 1] = e * sn + o * c;
+            }
+        }
+        let (cos, sin) = (
+            Tensor::from_vec(cos, (m, half), device)?,
+            Tensor::from_vec(sin, (m, half), device)?,
+        );
+        let pairs = PairRope {
+            cos: &cos,
+            sin: &sin,
+            columns: heads * 2 * half,
+        };
+        let (_, got) = policy.forward_normed_roped(&xt, Some(&ht), &wt, eps, &pairs)?;
+        checks.push((", add-normed, roped", got, roped));
         println!(
             "{} model path {n}×{k} m={m}: the stream handed back is x (no add) {same_x}, x + h \
              bit for bit {same_sum}",
@@ -441,18 +470,32 @@ fn forward_shapes() -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// `NAME=V,NAME=V` as a backend: SPLIT_UP_TO=N the host's split, the rest `#define` lines.
+/// `NAME=V,NAME=V` as a backend: SPLIT_UP_TO=N the host's split, SMALL=TxW the launch shape
+/// of matrices of ≤ 4096 rows, the rest `#define` lines.
 fn backend_of(variant: &str) -> Result<(CudaWeights, usize)> {
     let mut defines = String::new();
     let mut split = SPLIT_UP_TO;
+    let mut small = MmaShape::SMALL;
     for d in variant.split(',').filter(|d| !d.is_empty()) {
         match d.split_once('=') {
             Some(("SPLIT_UP_TO", v)) => split = v.parse()?,
+            Some(("SMALL", v)) => {
+                let (tiles, warps) = v
+                    .split_once('x')
+                    .ok_or_else(|| anyhow!("SMALL={v}: want TILESxWARPS"))?;
+                small = MmaShape {
+                    tiles: tiles.parse()?,
+                    warps: warps.parse()?,
+                };
+            }
             Some((name, v)) => defines += &format!("#define {name} {v}\n"),
             None => return Err(anyhow!("variant {variant:?}: {d:?} is not NAME=VALUE")),
         }
     }
-    Ok((CudaWeights::with_choices(&defines, split), split))
+    Ok((
+        CudaWeights::with_choices(&defines, split).with_small_shape(small),
+        split,
+    ))
 }
 
 /// Each build choice of weights.cu in `list`: parity through the model's entry point, then
