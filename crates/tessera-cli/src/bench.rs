@@ -259,6 +259,23 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             kv_allocated as f64 / 1048576.0
         );
     }
+    if margs.check_step_graphs {
+        let c = model.step_graph_checks();
+        let line = format!(
+            "step graph checks: {} replayed steps compared with eager runs, {} differed{}",
+            c.compared,
+            c.differed,
+            c.first_difference
+                .map(|d| format!(" (first: {d})"))
+                .unwrap_or_default()
+        );
+        // JSON output keeps stdout to the one object.
+        if json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    }
     Ok(())
 }
 

@@ -104,6 +104,7 @@ pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
         step_graphs: !args.no_step_graphs,
         step_graph_rows: args.step_graph_rows,
         live_step_graphs: !args.no_live_step_graphs,
+        check_step_graphs: args.check_step_graphs,
         ..Default::default()
     };
     Ok(Model::load(&path, &options, &device)?)

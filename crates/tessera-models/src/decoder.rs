@@ -882,6 +882,7 @@ impl Decoder {
                 options.step_graphs,
                 options.step_graph_rows,
                 options.live_step_graphs,
+                options.check_step_graphs,
             )),
         })
     }
@@ -974,6 +975,12 @@ impl Decoder {
         let mut graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         graphs.enabled = on;
         graphs.clear();
+    }
+
+    /// [`crate::Model::step_graph_checks`].
+    pub fn step_graph_checks(&self) -> crate::StepGraphChecks {
+        let graphs = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        graphs.checks.clone()
     }
 
     /// Runs `tokens` `(rows, n)` through the model, appending to `cache`: a prefill chunk

@@ -71,6 +71,23 @@ pub struct LoadOptions {
     /// full-attention layers on planes that take live steps); off, the cache's work runs
     /// between per-layer graphs (to compare the two).
     pub live_step_graphs: bool,
+    /// With step graphs, run every replayed decode step eagerly as well and compare the two
+    /// bit for bit ([`Model::step_graph_checks`]): the logits of a whole-step graph (the
+    /// cache's positions set back between the two runs), each part's outputs of per-layer
+    /// graphs. A row count or cache layout whose replay differs is never replayed again.
+    /// Each step runs twice: a check of a GPU, a driver or a kernel change, not for serving.
+    pub check_step_graphs: bool,
+}
+
+/// What [`LoadOptions::check_step_graphs`] found so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepGraphChecks {
+    /// Replayed steps compared with their eager run.
+    pub compared: usize,
+    /// Of those, steps where some output differed.
+    pub differed: usize,
+    /// The first difference: which graph and which output.
+    pub first_difference: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -84,6 +101,7 @@ impl Default for LoadOptions {
             step_graphs: true,
             step_graph_rows: 16,
             live_step_graphs: true,
+            check_step_graphs: false,
         }
     }
 }
@@ -164,6 +182,14 @@ impl Model {
     pub fn set_step_graphs(&self, on: bool) {
         match self {
             Model::Decoder(m) => m.set_step_graphs(on),
+        }
+    }
+
+    /// What the replayed steps' checks against eager steps found
+    /// ([`LoadOptions::check_step_graphs`]; all zero when it is off).
+    pub fn step_graph_checks(&self) -> StepGraphChecks {
+        match self {
+            Model::Decoder(m) => m.step_graph_checks(),
         }
     }
 

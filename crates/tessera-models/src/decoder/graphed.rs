@@ -6,7 +6,7 @@
 use super::live::{copied_rope, LiveGraphs};
 use super::{Decoder, Projected, Residual, Rope, StepInput};
 use crate::step_graph::{captured, copy_into, DeviceGraph, GraphBackend, GraphOutput};
-use crate::{LogitsMode, ModelError};
+use crate::{LogitsMode, ModelError, StepGraphChecks};
 use candle_core::Tensor;
 use tessera_kv::KvCache;
 
@@ -34,16 +34,32 @@ pub(super) struct StepGraphs {
     /// ([`crate::LoadOptions::live_step_graphs`]; `live.rs`).
     pub(super) live_enabled: bool,
     pub(super) live: LiveGraphs,
+    /// Each replay checked against an eager run ([`crate::LoadOptions::check_step_graphs`]),
+    /// and what the checks found.
+    pub(super) check: bool,
+    pub(super) checks: StepGraphChecks,
 }
 
 impl StepGraphs {
-    pub(super) fn new(enabled: bool, max_rows: usize, live_enabled: bool) -> Self {
+    pub(super) fn new(enabled: bool, max_rows: usize, live_enabled: bool, check: bool) -> Self {
         StepGraphs {
             enabled,
             max_rows,
             by_rows: Vec::new(),
             live_enabled,
             live: LiveGraphs::default(),
+            check,
+            checks: StepGraphChecks::default(),
+        }
+    }
+
+    /// One replayed step compared with its eager run: `differs` names the first output that
+    /// differed, if one did.
+    pub(super) fn record_check(&mut self, differs: Option<String>) {
+        self.checks.compared += 1;
+        if let Some(what) = differs {
+            self.checks.differed += 1;
+            self.checks.first_difference.get_or_insert(what);
         }
     }
 
@@ -132,10 +148,19 @@ impl Decoder {
             // Most recently used last.
             let entry = graphs.by_rows.remove(at);
             graphs.by_rows.push(entry);
-            return match &graphs.by_rows[graphs.by_rows.len() - 1].1 {
-                Captured::Ready(g) => g.replay(self, input, cache),
-                Captured::Refused => self.forward_eager(input, cache, mode),
+            let last = graphs.by_rows.len() - 1;
+            let check = graphs.check;
+            let (logits, differs) = match &graphs.by_rows[last].1 {
+                Captured::Ready(g) => g.replay(self, input, cache, mode, check)?,
+                Captured::Refused => return self.forward_eager(input, cache, mode),
             };
+            if check {
+                if differs.is_some() {
+                    graphs.by_rows[last].1 = Captured::Refused;
+                }
+                graphs.record_check(differs);
+            }
+            return Ok(logits);
         }
         let (graph, logits) = self.capture_step(backend, input, cache, mode)?;
         if graphs.by_rows.len() >= graphs.kept() {
@@ -220,12 +245,17 @@ impl Decoder {
 }
 
 impl StepGraph {
+    /// The step through the graphs; with `check`, each graph's outputs are compared with its
+    /// part run eagerly from the same inputs, and the first that differs is named (the step
+    /// goes on with the graphs' outputs).
     fn replay(
         &self,
         decoder: &Decoder,
         input: &StepInput,
         cache: &mut KvCache,
-    ) -> Result<Tensor, ModelError> {
+        mode: LogitsMode,
+        check: bool,
+    ) -> Result<(Tensor, Option<String>), ModelError> {
         copy_into(&self.x, &input.x)?;
         for (mine, given) in self.ropes.iter().zip(&input.ropes) {
             if let (Some(mine), Some(given)) = (mine, given) {
@@ -234,12 +264,98 @@ impl StepGraph {
             }
         }
         let layers = decoder.blocks.len();
+        let mut differs = None;
         for (i, block) in decoder.blocks.iter().enumerate() {
             self.graphs[i].launch()?;
+            if check && differs.is_none() {
+                differs = self.eager_difference(decoder, i, mode)?;
+            }
             let read = block.attn.read(&self.projected[i], cache.layer_mut(i))?;
             copy_into(&self.attended[i], &read)?;
         }
         self.graphs[layers].launch()?;
-        Ok(self.logits.copy()?)
+        if check && differs.is_none() {
+            differs = self.eager_difference(decoder, layers, mode)?;
+        }
+        Ok((self.logits.copy()?, differs))
+    }
+
+    /// Graph `i`'s outputs against its part run eagerly from the inputs it read (the last
+    /// graph's: the logits); the first output that differs, named.
+    fn eager_difference(
+        &self,
+        decoder: &Decoder,
+        i: usize,
+        mode: LogitsMode,
+    ) -> Result<Option<String>, ModelError> {
+        let blocks = &decoder.blocks;
+        let finished = |l: usize| blocks[l].finish(self.sums[l].clone(), &self.attended[l]);
+        if i == blocks.len() {
+            let logits = decoder.logits(&finished(i - 1)?, mode)?;
+            let same = same_bits(&logits, &self.logits)?;
+            return Ok((!same).then(|| format!("graph {i} of {}: the logits", i + 1)));
+        }
+        let s = match i {
+            0 => Residual {
+                x: self.x.clone(),
+                pending: None,
+            },
+            _ => finished(i - 1)?,
+        };
+        let (sum, p) = blocks[i].project(&s, blocks[i].rope(&self.ropes)?)?;
+        let mine = std::iter::once(&self.sums[i]).chain(self.projected[i].tensors());
+        let eager = std::iter::once(&sum).chain(p.tensors());
+        for (k, (a, b)) in mine.zip(eager).enumerate() {
+            if !same_bits(a, b)? {
+                let what = [
+                    "the stream's sum",
+                    "projection output 1",
+                    "projection output 2",
+                ];
+                let name = what.get(k).copied().unwrap_or("projection output 3");
+                return Ok(Some(format!("graph {i} of {}: {name}", blocks.len() + 1)));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Whether `a` and `b` hold the same values bit for bit (shape, dtype and every element).
+pub(super) fn same_bits(a: &Tensor, b: &Tensor) -> candle_core::Result<bool> {
+    if a.dims() != b.dims() || a.dtype() != b.dtype() {
+        return Ok(false);
+    }
+    let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+        let v = t.flatten_all()?.to_dtype(candle_core::DType::F32)?;
+        Ok(v.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+    };
+    Ok(bits(a)? == bits(b)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_bits;
+    use candle_core::{DType, Device, Tensor};
+
+    /// The check's comparison: equal only when shape, dtype and every bit agree (one ulp,
+    /// a sign of zero or a shape apart is a difference).
+    #[test]
+    fn same_bits_tells_one_ulp_a_signed_zero_and_a_shape_apart() {
+        let dev = Device::Cpu;
+        let v = vec![1.0f32, -2.5, 0.0, 3.25e-3];
+        let a = Tensor::from_vec(v.clone(), (2, 2), &dev).unwrap();
+        assert!(same_bits(&a, &a.copy().unwrap()).unwrap());
+        let mut ulp = v.clone();
+        ulp[3] = f32::from_bits(ulp[3].to_bits() + 1);
+        let b = Tensor::from_vec(ulp, (2, 2), &dev).unwrap();
+        assert!(!same_bits(&a, &b).unwrap(), "one ulp apart passed");
+        let mut neg = v.clone();
+        neg[2] = -0.0;
+        let c = Tensor::from_vec(neg, (2, 2), &dev).unwrap();
+        assert!(!same_bits(&a, &c).unwrap(), "-0 passed for +0");
+        let d = Tensor::from_vec(v, 4, &dev).unwrap();
+        assert!(!same_bits(&a, &d).unwrap(), "another shape passed");
+        let e = a.to_dtype(DType::BF16).unwrap();
+        assert!(!same_bits(&a, &e).unwrap(), "another dtype passed");
     }
 }

@@ -13,6 +13,7 @@
 //! speculative round, turbo planes), steps run through the per-layer graphs
 //! (`graphed.rs`).
 
+use super::graphed::same_bits;
 use super::{Decoder, Residual, Rope, StepInput};
 use crate::step_graph::{copy_into, DeviceGraph, GraphBackend};
 use crate::{LogitsMode, ModelError};
@@ -97,7 +98,7 @@ impl Decoder {
         if !graphs.live_enabled {
             return Ok(None);
         }
-        let kept = graphs.kept();
+        let (kept, check) = (graphs.kept(), graphs.check);
         let slot = graphs.live.slot(rows, kept);
         let Some(identity) = cache.live_identity(heads) else {
             slot.steps = 0;
@@ -119,7 +120,22 @@ impl Decoder {
             return Ok(None);
         };
         if let Some(g) = slot.graph.as_ref().filter(|g| g.identity == identity) {
-            return g.replay(input).map(Some);
+            let replayed = g.replay(input)?;
+            if !check {
+                return Ok(Some(replayed));
+            }
+            // The check: the cache's positions set back, the step again as ordinary
+            // launches (the same writes, the same reads), its logits against the replay's.
+            cache.rewind_live_step()?;
+            let eager = self.live_work(&input.x, &input.ropes, cache, mode)?;
+            let differs = (!same_bits(&replayed, &eager)?)
+                .then(|| "the whole-step graph: the logits".to_string());
+            if differs.is_some() {
+                slot.graph = None;
+                slot.refused = Some(identity);
+            }
+            graphs.record_check(differs);
+            return Ok(Some(eager));
         }
         slot.graph = None;
         let (graph, logits) = self.capture_live(backend, input, cache, mode, identity)?;
