@@ -259,16 +259,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             kv_allocated as f64 / 1048576.0
         );
     }
-    if margs.check_step_graphs {
-        let c = model.step_graph_checks();
-        let line = format!(
-            "step graph checks: {} replayed steps compared with eager runs, {} differed{}",
-            c.compared,
-            c.differed,
-            c.first_difference
-                .map(|d| format!(" (first: {d})"))
-                .unwrap_or_default()
-        );
+    if let Some(line) = crate::commands::step_graph_report(&model, margs) {
         // JSON output keeps stdout to the one object.
         if json {
             eprintln!("{line}");

@@ -280,6 +280,21 @@ fn stop_words(
 }
 
 #[allow(clippy::too_many_arguments)]
+/// What `--check-step-graphs` found, as a line, where the flag is on.
+pub fn step_graph_report(model: &Model, margs: &ModelArgs) -> Option<String> {
+    margs.check_step_graphs.then(|| {
+        let c = model.step_graph_checks();
+        format!(
+            "step graph checks: {} replayed steps compared with eager runs, {} differed{}",
+            c.compared,
+            c.differed,
+            c.first_difference
+                .map(|d| format!(" (first: {d})"))
+                .unwrap_or_default()
+        )
+    })
+}
+
 pub fn generate(
     margs: &ModelArgs,
     prompt: &str,
@@ -369,6 +384,9 @@ pub fn generate(
         scheme,
         spec_line,
     );
+    if let Some(line) = step_graph_report(&model, margs) {
+        eprintln!("[{line}]");
+    }
     Ok(())
 }
 

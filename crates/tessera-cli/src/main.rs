@@ -63,8 +63,8 @@ pub struct ModelArgs {
     #[arg(long)]
     pub no_live_step_graphs: bool,
     /// On a GPU, run every replayed decode step eagerly too and compare the two bit for bit
-    /// (a check of the graphs: each step runs twice). `bench` prints what it found; a graph
-    /// that differs is not replayed again.
+    /// (a check of the graphs: each step runs twice). `bench` and `generate` report what it
+    /// found; a graph that differs is not replayed again.
     #[arg(long)]
     pub check_step_graphs: bool,
     /// On a GPU, synchronize around each KV cache write and decode read and print their
