@@ -733,18 +733,19 @@ impl Q4Matrix {
         Ok(wrap(&self.kernels.device, y, &out_dims))
     }
 
-    /// `rms_norm(s, weight, eps) · Wᵀ` of `s = x + add` (`x` where nothing is added) by
-    /// `path`, returned with `s`: the add and the norm folded into the launch that prepares
-    /// the inputs, which writes `s` as it reads it.
+    /// `rms_norm(s, weight, eps) · Wᵀ` of `s = x + add` (`x` where nothing is added) by the
+    /// model's path for its rows, returned with `s`: the add and the norm folded into the
+    /// launch that prepares the inputs, which writes `s` as it reads it; with `rope`, the
+    /// output's leading columns RoPE'd as they are written.
     fn normed_by(
         &self,
         x: &Tensor,
         add: Option<&Tensor>,
         weight: &Tensor,
         eps: f32,
-        path: Path,
         rope: Option<&PairRope<'_>>,
     ) -> candle_core::Result<(Tensor, Tensor)> {
+        let path = self.path(x.elem_count() / self.k.max(1));
         let (m, out_dims) = self.path_shapes(x, path)?;
         if let Some(r) = rope {
             r.check(m, self.n)?;
@@ -944,14 +945,7 @@ impl DeviceMatrix for Q4Matrix {
         weight: &Tensor,
         eps: f32,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        self.normed_by(
-            x,
-            add,
-            weight,
-            eps,
-            self.path(x.elem_count() / self.k.max(1)),
-            None,
-        )
+        self.normed_by(x, add, weight, eps, None)
     }
 
     fn forward_normed_roped(
@@ -962,14 +956,7 @@ impl DeviceMatrix for Q4Matrix {
         eps: f32,
         rope: &PairRope<'_>,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        self.normed_by(
-            x,
-            add,
-            weight,
-            eps,
-            self.path(x.elem_count() / self.k.max(1)),
-            Some(rope),
-        )
+        self.normed_by(x, add, weight, eps, Some(rope))
     }
     fn as_any(&self) -> &dyn Any {
         self

@@ -972,6 +972,23 @@ pub enum Projections {
     Separate(Vec<Linear>),
 }
 
+/// Refuses a grouping of `parts` projections that does not cover them, or has an empty group.
+fn check_joined(parts: usize, joined: &[usize]) -> Result<()> {
+    if joined.iter().sum::<usize>() != parts || joined.contains(&0) {
+        candle_core::bail!("{parts} projections joined as {joined:?}");
+    }
+    Ok(())
+}
+
+/// The stacked output's column widths of each group of `joined` consecutive parts.
+fn joined_widths(widths: &[usize], joined: &[usize]) -> Vec<usize> {
+    let mut parts = widths.iter();
+    joined
+        .iter()
+        .map(|&j| parts.by_ref().take(j).sum())
+        .collect()
+}
+
 /// The quantized tensors behind `parts`, where every part is one (and there is one).
 fn quantized(parts: &[Linear]) -> Option<Vec<&QTensor>> {
     if parts.is_empty() {
@@ -1102,9 +1119,7 @@ impl Projections {
             Projections::Stacked { widths, .. } => widths.len(),
             Projections::Separate(parts) => parts.len(),
         };
-        if joined.iter().sum::<usize>() != parts || joined.contains(&0) {
-            candle_core::bail!("{parts} projections joined as {joined:?}");
-        }
+        check_joined(parts, joined)?;
         match self {
             Projections::Separate(_) => {
                 let sum = s.sum()?;
@@ -1124,12 +1139,10 @@ impl Projections {
             }
             Projections::Stacked { matrix, widths } => {
                 let (sum, all) = matrix.forward_normed(s, norm)?;
-                let mut parts = widths.iter();
-                let widths: Vec<usize> = joined
-                    .iter()
-                    .map(|&j| parts.by_ref().take(j).sum())
-                    .collect();
-                Ok((sum, Self::split_biased(all, &widths, bias)?))
+                Ok((
+                    sum,
+                    Self::split_biased(all, &joined_widths(widths, joined), bias)?,
+                ))
             }
         }
     }
@@ -1152,16 +1165,10 @@ impl Projections {
         else {
             return Ok(None);
         };
-        if joined.iter().sum::<usize>() != widths.len() || joined.contains(&0) {
-            candle_core::bail!("{} projections joined as {joined:?}", widths.len());
-        }
+        check_joined(widths.len(), joined)?;
         let (sum, all) =
             m.forward_normed_roped(&s.x, s.pending.as_ref(), &norm.weight, norm.eps, rope)?;
-        let mut parts = widths.iter();
-        let widths: Vec<usize> = joined
-            .iter()
-            .map(|&j| parts.by_ref().take(j).sum())
-            .collect();
+        let widths = joined_widths(widths, joined);
         Ok(Some((sum, Self::split_biased(all, &widths, None)?)))
     }
 
