@@ -45,6 +45,8 @@ pub struct Shape {
     pub depth: usize,
     pub repeat: usize,
     pub batch: usize,
+    /// Decode steps run ahead of their tokens where the engine can (`Batch::with_steps_ahead`).
+    pub steps_ahead: bool,
 }
 
 /// A [`Batch`] (the step engine `serve` runs) for `rows` greedy requests, with no budget.
@@ -105,13 +107,14 @@ fn decode_times(
     rows: usize,
     context: &[u32],
     steps: usize,
+    steps_ahead: bool,
 ) -> Result<(BatchTimes, usize, usize, u64)> {
     let mut session = Session::new(model, scheme, DEFAULT_PREFILL_CHUNK)?;
     let held = context.len() - 1;
     if held > 0 {
         session.feed(&context[..held])?;
     }
-    let mut batch = engine(model, scheme, rows)?;
+    let mut batch = engine(model, scheme, rows)?.with_steps_ahead(steps_ahead);
     let max_tokens = decode_tokens(rows, steps);
     for _ in 0..rows {
         let cache = session.cache().extract(0)?;
@@ -132,6 +135,8 @@ fn decode_times(
     if batch.running() < rows {
         bail!("a row left the batch during the timed steps");
     }
+    // The tokens of a step run ahead, still on their way: the digest covers every step.
+    digest.add(&batch.settle()?);
     let times = BatchTimes {
         decode: after.decode - before.decode,
         decode_steps: after.decode_steps - before.decode_steps,
@@ -176,6 +181,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
         depth,
         repeat,
         batch,
+        steps_ahead,
     } = shape;
     let scheme = scheme_of(kv)?;
     let label = crate::commands::scheme_label(kv);
@@ -217,7 +223,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
     // Decode: `depth` tokens of context first (not timed), then greedy steps.
     let context = synthetic_tokens(depth.max(1), model.vocab_size(), bos);
     let (times, kv_allocated, kv_per_token, digest) =
-        decode_times(&model, &scheme, batch, &context, gen_tokens)?;
+        decode_times(&model, &scheme, batch, &context, gen_tokens, steps_ahead)?;
     let elapsed = times.decode.as_secs_f64();
     let decode_tps = times.decode_rows as f64 / elapsed;
     let (step_ms, submit_ms) = (

@@ -241,6 +241,11 @@ enum Command {
         /// (the prefill figure), then decoded as rows of one batch from the same context.
         #[arg(long, default_value_t = 1)]
         batch: usize,
+        /// Decode each step only after the host has taken the previous step's tokens,
+        /// instead of queuing it on the ids the device chose while the host takes them
+        /// (`Batch::with_steps_ahead`; on by default on a GPU), to compare.
+        #[arg(long)]
+        no_steps_ahead: bool,
         #[command(flatten)]
         kv: KvArgs,
         /// Time to first token from this prompt cache (load, then prefill --suffix-tokens
@@ -584,6 +589,7 @@ fn run(cli: Cli) -> Result<()> {
             depth,
             repeat,
             batch,
+            no_steps_ahead,
             kv,
             prompt_cache: None,
             json,
@@ -596,6 +602,7 @@ fn run(cli: Cli) -> Result<()> {
                 depth,
                 repeat,
                 batch,
+                steps_ahead: !no_steps_ahead,
             },
             &kv,
             json,

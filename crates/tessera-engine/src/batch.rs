@@ -14,6 +14,7 @@
 //! `kv_budget` (from the caches' own accounting, so a 4-bit scheme admits more rows), and at
 //! most `max_queue` waiting requests.
 
+use crate::ahead::Ahead;
 use crate::generate::StopReason;
 use crate::prefix::PrefixCache;
 use crate::sampler::{Dist, Sampler, SamplerConfig};
@@ -215,6 +216,8 @@ pub struct BatchTimes {
     /// its results. On a GPU, a step whose submit time is close to its whole time is bound
     /// by the host.
     pub decode_submit: Duration,
+    /// Of `decode_steps`: steps run ahead of their tokens ([`Batch::with_steps_ahead`]).
+    pub steps_ahead: usize,
     /// Rows moved: the merges of prompts' rows into the running batch and the filters of
     /// finished rows out of it (with the extracts a prefix store keeps), and how many.
     pub rows: Duration,
@@ -232,6 +235,7 @@ impl BatchTimes {
         self.decode_steps += other.decode_steps;
         self.decode_rows += other.decode_rows;
         self.decode_submit += other.decode_submit;
+        self.steps_ahead += other.steps_ahead;
         self.rows += other.rows;
         self.row_moves += other.row_moves;
     }
@@ -281,6 +285,10 @@ pub struct Batch<'m> {
     /// ([`Batch::keeping_rows`]), with the tokens each holds.
     kept: Option<Vec<(RequestId, Vec<u32>, KvCache)>>,
     times: BatchTimes,
+    /// Run greedy decode steps one ahead of their tokens ([`Batch::with_steps_ahead`]).
+    steps_ahead: bool,
+    /// The step run ahead whose tokens the rows have not taken yet.
+    ahead: Option<Ahead>,
 }
 
 impl<'m> Batch<'m> {
@@ -330,7 +338,34 @@ impl<'m> Batch<'m> {
             spec_stats: SpecStats::default(),
             kept: None,
             times: BatchTimes::default(),
+            steps_ahead: !model.device().is_cpu(),
+            ahead: None,
         })
+    }
+
+    /// Whether greedy decode steps run one ahead of their tokens (on by default on a GPU,
+    /// off on the CPU, where a forward runs as it is called and nothing overlaps). Run
+    /// ahead, a step queues its forward on the ids the previous step chose (on the device,
+    /// where it picks them), then takes the previous step's tokens while the forward runs:
+    /// the device does not idle while the host reads tokens, emits them and prepares the
+    /// next step. Each token is emitted one step later, and a row that ends on a token has
+    /// had one step more computed for it, which leaves with it. It applies while every
+    /// running row is greedy without penalties or log-probabilities, no row is about to
+    /// reach its `max_tokens` or the context, nothing waits to be read, and the batch has
+    /// no speculation, prefix store or kept rows; other steps take any tokens still ahead
+    /// first and run as before.
+    pub fn with_steps_ahead(mut self, on: bool) -> Self {
+        self.steps_ahead = on;
+        self
+    }
+
+    /// Takes the tokens of a step run ahead, if any (their events), so that every token
+    /// decoded so far is emitted: for a caller that stops stepping before the batch is
+    /// idle.
+    pub fn settle(&mut self) -> Result<Vec<Event>, EngineError> {
+        let mut events = Vec::new();
+        self.settle_ahead(&mut events)?;
+        Ok(events)
     }
 
     /// Keeps the row of every request that leaves (finished, failed or cancelled) with
@@ -610,6 +645,9 @@ impl<'m> Batch<'m> {
     /// its first token and decodes from the next step on, one token a step.
     pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
         let mut events = Vec::new();
+        if !self.keeps_ahead() {
+            self.settle_ahead(&mut events)?;
+        }
         self.drop_cancelled()?;
         self.decode(&mut events)?;
         if !self.prefill_group(&mut events)? {
@@ -928,6 +966,10 @@ impl<'m> Batch<'m> {
             }
         }
         if done.is_empty() {
+            if self.keeps_ahead() {
+                self.step_ahead(events, &mut done)?;
+                return self.remove_rows(&done);
+            }
             let drafts = self.drafts(&offsets);
             if drafts.iter().all(Vec::is_empty) {
                 self.step_rows(events, &mut done)?;
@@ -985,6 +1027,108 @@ impl<'m> Batch<'m> {
             self.spec_stats.plain_steps += self.rows.len();
         }
         Ok(())
+    }
+
+    /// Whether this step runs ahead of its tokens ([`Batch::with_steps_ahead`]).
+    fn keeps_ahead(&self) -> bool {
+        let Some(cache) = self.running.as_ref() else {
+            return false;
+        };
+        if !self.steps_ahead
+            || self.rows.is_empty()
+            || self.spec.is_some()
+            || self.prefixes.is_some()
+            || self.kept.is_some()
+            || !self.cancelled.is_empty()
+            || !self.waiting.is_empty()
+            || self.prefill.is_some()
+        {
+            return false;
+        }
+        // The step decides each row's token after those of the step still ahead: it must
+        // be one the row may produce, in its context.
+        let pending = usize::from(self.ahead.is_some());
+        let context = self.model.context_length();
+        self.rows.iter().zip(cache.offsets()).all(|(r, end)| {
+            r.plain_greedy() && r.produced + pending < r.max_tokens && end < context
+        })
+    }
+
+    /// One greedy step run ahead: its forward queued on the previous step's ids (as the
+    /// device holds them where it chose them), its own ids chosen, and then the previous
+    /// step's tokens taken by the rows.
+    fn step_ahead(
+        &mut self,
+        events: &mut Vec<Event>,
+        done: &mut Vec<usize>,
+    ) -> Result<(), EngineError> {
+        let Some(cache) = self.running.as_mut() else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let previous = self.ahead.take();
+        let logits = match previous.as_ref().and_then(|a| a.chosen.as_ref()) {
+            Some(chosen) => self.model.forward_chosen(chosen, cache, LogitsMode::Last)?,
+            None => {
+                let ids = match previous.as_ref().and_then(Ahead::here) {
+                    Some(ids) => ids,
+                    None => self.rows.iter().map(|r| r.next).collect(),
+                };
+                let ids = Tensor::from_vec(ids, (self.rows.len(), 1), self.model.device())?;
+                self.model.forward(&ids, cache, LogitsMode::Last)?
+            }
+        }
+        .squeeze(1)?;
+        let rows = self.rows.iter().map(|r| r.id).collect();
+        let chosen = self.model.choose_greedy(&logits)?;
+        let next = Ahead::new(rows, chosen, || Ok(crate::sampler::argmax_rows(&logits)?))?;
+        self.times.decode_submit += started.elapsed();
+        if let Some(previous) = previous {
+            self.take_ahead(previous, events, done)?;
+        }
+        self.ahead = Some(next);
+        self.times.decode += started.elapsed();
+        self.times.decode_steps += 1;
+        self.times.steps_ahead += 1;
+        self.times.decode_rows += self.rows.len();
+        Ok(())
+    }
+
+    /// The rows take the tokens of the step run ahead; those that end are put in `done`.
+    fn take_ahead(
+        &mut self,
+        ahead: Ahead,
+        events: &mut Vec<Event>,
+        done: &mut Vec<usize>,
+    ) -> Result<(), EngineError> {
+        if ahead.rows.len() != self.rows.len()
+            || ahead.rows.iter().zip(&self.rows).any(|(&id, r)| id != r.id)
+        {
+            return Err(EngineError::Invalid(
+                "a step run ahead holds other rows than the batch".into(),
+            ));
+        }
+        let tokens = ahead.wait()?;
+        let tokenizer = self.tokenizer;
+        for (i, (row, &t)) in self.rows.iter_mut().zip(&tokens).enumerate() {
+            if let Some(reason) = row.take_chosen(t, tokenizer, events) {
+                events.push(row.finished(reason));
+                done.push(i);
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the tokens of the step run ahead, if any; rows that end with them leave.
+    fn settle_ahead(&mut self, events: &mut Vec<Event>) -> Result<(), EngineError> {
+        let Some(ahead) = self.ahead.take() else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let mut done = Vec::new();
+        self.take_ahead(ahead, events, &mut done)?;
+        self.times.decode += started.elapsed();
+        self.remove_rows(&done)
     }
 
     /// Each running row's draft (empty without speculation or without a match): never more
@@ -1130,6 +1274,11 @@ impl<'m> Batch<'m> {
                 };
                 self.leave(self.rows[i].id, tokens, cache)?;
             }
+        }
+        match self.ahead.as_mut() {
+            Some(_) if keep.is_empty() => self.ahead = None,
+            Some(ahead) => ahead.retain(&keep)?,
+            None => {}
         }
         if keep.is_empty() {
             self.running = None;

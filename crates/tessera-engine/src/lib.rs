@@ -14,6 +14,7 @@
 //! [`prompt`] tokenizes a completion prompt or a conversation the one way every front end
 //! uses, with the tokens that end its generation.
 
+mod ahead;
 mod batch;
 pub mod chat;
 mod error;

@@ -58,6 +58,16 @@ fn batched(
     cancel: Option<(usize, usize)>,
 ) -> (Vec<Vec<u32>>, Vec<Option<Event>>, usize) {
     let mut batch = Batch::new(model, scheme, CHUNK, limits).unwrap();
+    run_batch(&mut batch, requests, join_at, cancel)
+}
+
+/// [`batched`] on a given batch (its times stay with the caller).
+fn run_batch(
+    batch: &mut Batch,
+    requests: &[GenerationRequest],
+    join_at: &[usize],
+    cancel: Option<(usize, usize)>,
+) -> (Vec<Vec<u32>>, Vec<Option<Event>>, usize) {
     let mut ids: Vec<Option<RequestId>> = vec![None; requests.len()];
     let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
     let mut finished: HashMap<RequestId, Event> = HashMap::new();
@@ -228,6 +238,81 @@ fn a_cancelled_request_leaves_and_the_others_go_on() {
         SamplerConfig::default(),
     );
     assert_eq!(out[1][..], want[..out[1].len()]);
+}
+
+/// Steps run ahead of their tokens (`Batch::with_steps_ahead`, on by default on a GPU; here
+/// forced on the CPU, where the host picks the tokens): requests that join at different
+/// steps (so steps run ahead stop and start again), end on `max_tokens`, on a stop token
+/// and by cancellation, each decode what it decodes alone, and finish as it does.
+#[test]
+fn steps_run_ahead_decode_what_each_request_decodes_alone() {
+    let (model, tok) = common::load_f32_weights();
+    let prompts = prompts(&tok);
+    let scheme = KvScheme::parse("affine:4").unwrap();
+    let picked = [0usize, 2, 4, 5];
+    let max_tokens = [9usize, 12, 7, 10];
+    let alone_runs: Vec<Vec<u32>> = picked
+        .iter()
+        .zip(&max_tokens)
+        .map(|(&p, &m)| alone(&model, &scheme, &prompts[p], m, SamplerConfig::default()))
+        .collect();
+    // Request 1 stops on its fifth token (its first occurrence ends it).
+    let stop = alone_runs[1][4];
+    let stop_at = alone_runs[1].iter().position(|&t| t == stop).unwrap();
+    let requests: Vec<GenerationRequest> = picked
+        .iter()
+        .zip(&max_tokens)
+        .enumerate()
+        .map(|(i, (&p, &m))| GenerationRequest {
+            prompt: prompts[p].clone(),
+            max_tokens: m,
+            sampler: SamplerConfig::default(),
+            stop_tokens: if i == 1 { vec![stop] } else { vec![] },
+            logprobs: None,
+            stop_strings: Vec::new(),
+        })
+        .collect();
+    let mut batch = Batch::new(&model, &scheme, CHUNK, BatchLimits::default())
+        .unwrap()
+        .with_steps_ahead(true);
+    // Request 3 joins late and is cancelled some steps after.
+    let join_at = [0, 0, 3, 8];
+    let (out, events, most) = run_batch(&mut batch, &requests, &join_at, Some((3, 8 + 5)));
+    let ran_ahead = batch.times().steps_ahead;
+    assert!(most >= 3, "rows ran together ({most})");
+    assert!(ran_ahead > 5, "steps ran ahead ({ran_ahead})");
+    for i in [0, 2] {
+        assert_eq!(out[i], alone_runs[i], "request {i}");
+        assert!(
+            matches!(events[i], Some(Event::Finished { reason: StopReason::MaxTokens, completion_tokens, .. }) if completion_tokens == max_tokens[i]),
+            "request {i}: {:?}",
+            events[i]
+        );
+    }
+    assert_eq!(
+        out[1],
+        alone_runs[1][..stop_at],
+        "request 1 up to its stop token"
+    );
+    assert!(
+        matches!(events[1], Some(Event::Finished { reason: StopReason::EndToken, stop_token: Some(t), completion_tokens, .. }) if t == stop && completion_tokens == stop_at),
+        "request 1: {:?}",
+        events[1]
+    );
+    assert!(
+        events[3].is_none(),
+        "a cancelled request has no finish event"
+    );
+    assert!(
+        !out[3].is_empty() && out[3].len() < max_tokens[3],
+        "{:?}",
+        out[3]
+    );
+    assert_eq!(
+        out[3][..],
+        alone_runs[3][..out[3].len()],
+        "request 3 until cancelled"
+    );
 }
 
 #[test]

@@ -4,17 +4,22 @@
 //! ordinary buffers inside it); instantiated to free at each launch anything a previous
 //! launch left allocated all the same, so that a stray allocation cannot fail a replay.
 
+use crate::greedy::Greedy;
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
-use candle_core::{Device, Result};
-use std::sync::Arc;
-use tessera_models::step_graph::{DeviceGraph, GraphBackend};
+use candle_core::{Device, Result, Tensor};
+use std::sync::{Arc, Mutex};
+use tessera_models::step_graph::{DeviceGraph, GraphBackend, HostIds};
 
 /// Installs the CUDA graph backend into tessera-models (once per process).
 pub fn install() {
-    tessera_models::step_graph::install(Box::new(CudaGraphs));
+    tessera_models::step_graph::install(Box::new(CudaGraphs::default()));
 }
 
-struct CudaGraphs;
+#[derive(Default)]
+struct CudaGraphs {
+    /// The greedy-token kernels, built on first use for the first CUDA device seen.
+    greedy: Mutex<Option<Arc<Greedy>>>,
+}
 
 fn stream(device: &Device) -> Result<Arc<CudaStream>> {
     match device {
@@ -47,6 +52,21 @@ impl GraphBackend for CudaGraphs {
             Device::Cuda(d) => Box::new(d.enable_cuda_graph_htod_cache()),
             _ => Box::new(()),
         }
+    }
+
+    fn greedy_ids(&self, logits: &Tensor) -> Result<Option<(Tensor, Box<dyn HostIds>)>> {
+        let Device::Cuda(device) = logits.device() else {
+            return Ok(None);
+        };
+        let greedy = {
+            let mut slot = self.greedy.lock().unwrap_or_else(|e| e.into_inner());
+            match slot.as_ref() {
+                Some(g) if g.serves(device) => g.clone(),
+                Some(_) => return Ok(None),
+                None => slot.insert(Greedy::new(device)?).clone(),
+            }
+        };
+        greedy.ids(logits).map(Some)
     }
 
     fn end(&self, device: &Device) -> Result<Box<dyn DeviceGraph>> {

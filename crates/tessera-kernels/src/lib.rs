@@ -13,6 +13,9 @@ pub const PLANES_CU: &str = include_str!("planes.cu");
 /// for prefill GEMMs.
 pub const WEIGHTS_CU: &str = include_str!("weights.cu");
 
+/// A decode step's greedy tokens picked on the device (greedy.rs).
+pub const GREEDY_CU: &str = include_str!("greedy.cu");
+
 /// Columns of an octet of blocks in the device's Q4_0 layout (weights.cu): matrices whose
 /// width is not a multiple stay with candle's matmul.
 pub const Q4_0_OCTET: usize = 256;
@@ -107,6 +110,8 @@ pub mod cuda;
 mod dependent;
 #[cfg(feature = "cuda")]
 pub mod graphs;
+#[cfg(feature = "cuda")]
+mod greedy;
 pub mod tally;
 #[cfg(feature = "cuda")]
 pub mod weights;

@@ -903,17 +903,24 @@ impl Decoder {
         &self.device
     }
 
-    fn embed(&self, tokens: &Tensor) -> Result<Tensor, ModelError> {
-        let ids: Vec<u32> = tokens.flatten_all()?.to_vec1()?;
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.config.vocab) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab: self.config.vocab,
-            });
+    fn embed(&self, tokens: &Tensor, check: bool) -> Result<Tensor, ModelError> {
+        let host_ids = || -> Result<Vec<u32>, ModelError> {
+            let ids: Vec<u32> = tokens.flatten_all()?.to_vec1()?;
+            if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.config.vocab) {
+                return Err(ModelError::TokenOutOfRange {
+                    id,
+                    vocab: self.config.vocab,
+                });
+            }
+            Ok(ids)
+        };
+        if check {
+            host_ids()?;
         }
         let x = match (&self.embed, &self.output) {
             (Some(table), _) => table.embedding(tokens)?, // (b, n, hidden)
             (None, output) => {
+                let ids = host_ids()?;
                 let mut rows = Vec::with_capacity(ids.len() * self.config.hidden);
                 for &id in &ids {
                     let Some(row) = output.row(id as usize) else {
@@ -999,6 +1006,18 @@ impl Decoder {
     /// tables (read and uploaded here). What [`Self::forward_prepared`] then does only
     /// queues device work, the part of a step a CUDA graph can capture.
     pub fn prepare(&self, tokens: &Tensor, cache: &KvCache) -> Result<StepInput, ModelError> {
+        self.prepare_ids(tokens, cache, true)
+    }
+
+    /// [`Self::prepare`], the ids checked against the vocabulary on the host (`check`), or
+    /// not: ids the device chose over this model's logits (`ChosenIds`) are in range by
+    /// construction, and reading them back would wait for the step that chose them.
+    pub(crate) fn prepare_ids(
+        &self,
+        tokens: &Tensor,
+        cache: &KvCache,
+        check: bool,
+    ) -> Result<StepInput, ModelError> {
         let (b, n) = tokens.dims2()?;
         if b == 0 || n == 0 {
             return Err(ModelError::EmptyInput { rows: b, tokens: n });
@@ -1027,7 +1046,7 @@ impl Decoder {
             .collect();
         Ok(StepInput {
             ropes: self.ropes(&positions)?,
-            x: self.embed(tokens)?,
+            x: self.embed(tokens, check)?,
             shape: (b, n),
         })
     }
@@ -1094,7 +1113,7 @@ impl Decoder {
         let positions = vec![(0..n).collect::<Vec<_>>()];
         let ropes = self.ropes(&positions)?;
         let mut s = Residual {
-            x: self.embed(&ids)?,
+            x: self.embed(&ids, true)?,
             pending: None,
         };
         for block in &self.blocks {

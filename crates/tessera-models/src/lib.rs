@@ -79,6 +79,23 @@ pub struct LoadOptions {
     pub check_step_graphs: bool,
 }
 
+/// Token ids (rows, 1) that [`Model::choose_greedy`] picked on the device over the model's
+/// own logits: within its vocabulary by construction.
+pub struct ChosenIds(Tensor);
+
+impl ChosenIds {
+    pub fn rows(&self) -> usize {
+        self.0.dims().first().copied().unwrap_or(0)
+    }
+
+    /// These ids' rows `keep`, in that order (rows leaving a batch).
+    pub fn select(&self, keep: &[usize]) -> Result<ChosenIds, ModelError> {
+        let at: Vec<u32> = keep.iter().map(|&r| r as u32).collect();
+        let at = Tensor::from_vec(at, keep.len(), self.0.device())?;
+        Ok(ChosenIds(self.0.index_select(&at, 0)?))
+    }
+}
+
 /// What [`LoadOptions::check_step_graphs`] found so far.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepGraphChecks {
@@ -152,6 +169,48 @@ impl Model {
     ) -> Result<Tensor, ModelError> {
         match self {
             Model::Decoder(m) => m.forward(tokens, cache, mode),
+        }
+    }
+
+    /// Each row's greedy token of `logits` ((rows, vocab) f32, as [`Self::forward`] gives
+    /// with [`LogitsMode::Last`] squeezed) picked on the model's device, where a device
+    /// backend does that: the ids stay there as the next step's input
+    /// ([`Self::forward_chosen`]) while their copy to the host is under way. `None`: pick
+    /// them on the host. The rule is the engine's greedy one (the first index of the
+    /// largest value; a NaN never wins, a row that starts with one gives 0).
+    pub fn choose_greedy(
+        &self,
+        logits: &Tensor,
+    ) -> Result<Option<(ChosenIds, Box<dyn step_graph::HostIds>)>, ModelError> {
+        let (_, vocab) = logits.dims2()?;
+        if vocab != self.vocab_size() {
+            return Err(candle_core::Error::Msg(format!(
+                "greedy tokens of logits {vocab} wide, the vocabulary is {}",
+                self.vocab_size()
+            ))
+            .into());
+        }
+        let Some(backend) = step_graph::backend(self.device()) else {
+            return Ok(None);
+        };
+        Ok(backend
+            .greedy_ids(logits)?
+            .map(|(ids, host)| (ChosenIds(ids), host)))
+    }
+
+    /// [`Self::forward`] of ids the device chose ([`Self::choose_greedy`]), read there as
+    /// they are.
+    pub fn forward_chosen(
+        &self,
+        ids: &ChosenIds,
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<Tensor, ModelError> {
+        match self {
+            Model::Decoder(m) => {
+                let input = m.prepare_ids(&ids.0, cache, false)?;
+                m.forward_prepared(&input, cache, mode)
+            }
         }
     }
 

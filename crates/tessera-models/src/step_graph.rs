@@ -36,6 +36,22 @@ pub trait GraphBackend: Send + Sync {
         let _ = device;
         Box::new(())
     }
+    /// Each row's greedy token of `logits` ((rows, vocab) f32 on a device this backend
+    /// serves), picked on the device by the engine's greedy rule (the first index of the
+    /// largest value; a NaN never wins, a row that starts with one gives 0), as (rows, 1)
+    /// u32 there, with their copy to the host queued behind them: a caller can queue the
+    /// next step on the device ids before it waits for the host's. `None` where the backend
+    /// does not pick tokens (the caller picks them from the logits).
+    fn greedy_ids(&self, logits: &Tensor) -> Result<Option<(Tensor, Box<dyn HostIds>)>> {
+        let _ = logits;
+        Ok(None)
+    }
+}
+
+/// Token ids on their way from the device to the host ([`GraphBackend::greedy_ids`]).
+pub trait HostIds: Send {
+    /// Waits for the copy; the ids, one a row.
+    fn wait(self: Box<Self>) -> Result<Vec<u32>>;
 }
 
 /// An instantiated graph.

@@ -13,7 +13,7 @@ use anyhow::Context;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 use tessera_kernels::cuda::{compile_ptx, decode_source, GpuCodec};
-use tessera_kernels::{PLANES_CU, WEIGHTS_CU};
+use tessera_kernels::{GREEDY_CU, PLANES_CU, WEIGHTS_CU};
 
 fn codecs() -> Vec<GpuCodec> {
     let mut all = vec![GpuCodec::Bf16];
@@ -46,6 +46,7 @@ fn main() {
     let mut sources: Vec<(String, String)> = vec![
         ("planes.cu".into(), PLANES_CU.into()),
         ("weights.cu".into(), WEIGHTS_CU.into()),
+        ("greedy.cu".into(), GREEDY_CU.into()),
     ];
     // Head geometries of the models we run (d, query heads per KV head): Gemma 3 270M (256, 4),
     // Llama 3 8B (128, 4), Qwen 2.5 0.5B (64, 7), Qwen 2.5 1.5B (128, 6), Qwen 3 0.6B
