@@ -142,6 +142,7 @@ fn decode_times(
         decode_steps: after.decode_steps - before.decode_steps,
         decode_rows: after.decode_rows - before.decode_rows,
         decode_submit: after.decode_submit - before.decode_submit,
+        steps_ahead: after.steps_ahead - before.steps_ahead,
         ..BatchTimes::default()
     };
     Ok((
@@ -236,7 +237,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
             "{}",
             serde_json::json!({
                 "model": model.architecture(), "device": margs.device, "isa": model.isa().to_string(), "batch": batch, "kv": label, "prompt_tokens": prompt_tokens, "prefill_tok_s": prefill_tps, "prefill_tok_s_sd": prefill_sd, "repeat": repeat, "prefill_chunk_ms": chunk_ms, "prefill_chunk_submit_ms": chunk_submit_ms,
-                "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps, "decode_step_ms": step_ms, "decode_submit_ms": submit_ms,
+                "depth": depth, "gen_tokens": gen_tokens, "decode_tok_s": decode_tps, "decode_step_ms": step_ms, "decode_submit_ms": submit_ms, "decode_steps_ahead": times.steps_ahead,
                 "peak_rss_bytes": rss, "tokens_digest": format!("{digest:016x}"), "kv_bytes_per_token": kv_per_token, "kv_allocated_bytes": kv_allocated,
             })
         );
@@ -254,9 +255,15 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
              {repeat} runs after a warm-up; all rows' prompts, read one after another; a chunk \
              {chunk_ms:.2} ms, {chunk_submit_ms:.2} of them submitting)"
         );
+        let ahead = if steps_ahead {
+            format!("; {} of the steps run ahead", times.steps_ahead)
+        } else {
+            String::new()
+        };
         println!(
             "decode   {gen_tokens:>6} tokens  {decode_tps:>8.1} tok/s  (depth {depth}; all rows; a \
-             step {step_ms:.2} ms, {submit_ms:.2} of them submitting; tokens digest {digest:016x})"
+             step {step_ms:.2} ms, {submit_ms:.2} of them submitting; tokens digest \
+             {digest:016x}{ahead})"
         );
         println!(
             "peak RSS {:.1} MiB | KV {} bytes/token, {:.1} MiB allocated",

@@ -241,11 +241,12 @@ enum Command {
         /// (the prefill figure), then decoded as rows of one batch from the same context.
         #[arg(long, default_value_t = 1)]
         batch: usize,
-        /// Decode each step only after the host has taken the previous step's tokens,
-        /// instead of queuing it on the ids the device chose while the host takes them
-        /// (`Batch::with_steps_ahead`; on by default on a GPU), to compare.
+        /// Queue each greedy decode step on the ids the device chose at the step before,
+        /// taking that step's tokens while it runs (`Batch::with_steps_ahead`), instead of
+        /// waiting for the tokens first. Not yet measured on a GPU: compare the tokens
+        /// digest with a run without it.
         #[arg(long)]
-        no_steps_ahead: bool,
+        steps_ahead: bool,
         #[command(flatten)]
         kv: KvArgs,
         /// Time to first token from this prompt cache (load, then prefill --suffix-tokens
@@ -589,7 +590,7 @@ fn run(cli: Cli) -> Result<()> {
             depth,
             repeat,
             batch,
-            no_steps_ahead,
+            steps_ahead,
             kv,
             prompt_cache: None,
             json,
@@ -602,7 +603,7 @@ fn run(cli: Cli) -> Result<()> {
                 depth,
                 repeat,
                 batch,
-                steps_ahead: !no_steps_ahead,
+                steps_ahead,
             },
             &kv,
             json,

@@ -5,6 +5,7 @@
 //! ids are chosen on the device and stay there as the next step's input; the host queues
 //! that next step first and takes the previous step's tokens while it runs. A row that
 //! finishes on those tokens has had one step more computed for it, which leaves with it.
+//! Off by default until the device path is measured (NOTES.md, 2026-12-05 night).
 
 use crate::batch::RequestId;
 use crate::EngineError;

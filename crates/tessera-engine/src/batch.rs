@@ -338,15 +338,16 @@ impl<'m> Batch<'m> {
             spec_stats: SpecStats::default(),
             kept: None,
             times: BatchTimes::default(),
-            steps_ahead: !model.device().is_cpu(),
+            steps_ahead: false,
             ahead: None,
         })
     }
 
-    /// Whether greedy decode steps run one ahead of their tokens (on by default on a GPU,
-    /// off on the CPU, where a forward runs as it is called and nothing overlaps). Run
-    /// ahead, a step queues its forward on the ids the previous step chose (on the device,
-    /// where it picks them), then takes the previous step's tokens while the forward runs:
+    /// Whether greedy decode steps run one ahead of their tokens (off by default: on a GPU
+    /// the device path has not yet been measured correct and faster, NOTES.md; on the CPU a
+    /// forward runs as it is called and nothing would overlap). Run ahead, a step queues
+    /// its forward on the ids the previous step chose (on the device, where it picks
+    /// them), then takes the previous step's tokens while the forward runs:
     /// the device does not idle while the host reads tokens, emits them and prepares the
     /// next step. Each token is emitted one step later, and a row that ends on a token has
     /// had one step more computed for it, which leaves with it. It applies while every

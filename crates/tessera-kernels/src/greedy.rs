@@ -10,7 +10,7 @@ use crate::cuda::compile_source;
 use crate::GREEDY_CU;
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    sys, CudaEvent, CudaFunction, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -99,8 +99,15 @@ impl Greedy {
         // SAFETY: as above; ids holds rows entries.
         unsafe { l.launch(cfg) }.map_err(error)?;
         drop(storage);
+        // The copy spans the whole buffer (cudarc copies the destination's length), so
+        // buffers are exactly one id a row. Its completion is this event's: a page-locked
+        // buffer's own event is recorded only where cudarc tracks synchronization, which
+        // candle turns off.
         let mut host = self.buffer(rows)?;
         stream.memcpy_dtoh(&ids, &mut host).map_err(error)?;
+        let copied = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(error)?;
         let device_ids = Tensor::from_storage(
             Storage::Cuda(CudaStorage::wrap_cuda_slice(ids, self.device.clone())),
             (rows, 1),
@@ -111,39 +118,41 @@ impl Greedy {
             device_ids,
             Box::new(Pending {
                 host: Some(host),
-                rows,
+                copied,
                 owner: self.clone(),
             }),
         ))
     }
 
-    /// A page-locked buffer of at least `rows` ids: a returned one, else a new one.
+    /// A page-locked buffer of `rows` ids: a returned one, else a new one.
     fn buffer(&self, rows: usize) -> Result<PinnedHostSlice<u32>> {
         let mut free = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(at) = free.iter().position(|b| b.len() >= rows) {
+        if let Some(at) = free.iter().position(|b| b.len() == rows) {
             return Ok(free.swap_remove(at));
         }
         drop(free);
         let ctx = self.device.cuda_stream().context().clone();
-        // SAFETY: the copy into it is queued before anything reads it (the buffer's event).
-        unsafe { ctx.alloc_pinned_with_flags::<u32>(rows.max(16), 0) }.map_err(error)
+        // SAFETY: read only after the copy into it (`Pending::copied`).
+        unsafe { ctx.alloc_pinned_with_flags::<u32>(rows, 0) }.map_err(error)
     }
 }
 
 /// One step's ids on their way to the host.
 struct Pending {
     host: Option<PinnedHostSlice<u32>>,
-    rows: usize,
+    /// Recorded behind the copy.
+    copied: CudaEvent,
     owner: Arc<Greedy>,
 }
 
 impl HostIds for Pending {
     fn wait(self: Box<Self>) -> Result<Vec<u32>> {
+        self.copied.synchronize().map_err(error)?;
         let host = self
             .host
             .as_ref()
             .ok_or_else(|| error("the ids were already read"))?;
-        Ok(host.as_slice().map_err(error)?[..self.rows].to_vec())
+        Ok(host.as_slice().map_err(error)?.to_vec())
     }
 }
 
