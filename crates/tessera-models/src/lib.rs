@@ -84,10 +84,6 @@ pub struct LoadOptions {
 pub struct ChosenIds(Tensor);
 
 impl ChosenIds {
-    pub fn rows(&self) -> usize {
-        self.0.dims().first().copied().unwrap_or(0)
-    }
-
     /// These ids' rows `keep`, in that order (rows leaving a batch).
     pub fn select(&self, keep: &[usize]) -> Result<ChosenIds, ModelError> {
         let at: Vec<u32> = keep.iter().map(|&r| r as u32).collect();
