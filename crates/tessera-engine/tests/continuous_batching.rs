@@ -58,54 +58,7 @@ fn batched(
     cancel: Option<(usize, usize)>,
 ) -> (Vec<Vec<u32>>, Vec<Option<Event>>, usize) {
     let mut batch = Batch::new(model, scheme, CHUNK, limits).unwrap();
-    run_batch(&mut batch, requests, join_at, cancel)
-}
-
-/// [`batched`] on a given batch (its times stay with the caller).
-fn run_batch(
-    batch: &mut Batch,
-    requests: &[GenerationRequest],
-    join_at: &[usize],
-    cancel: Option<(usize, usize)>,
-) -> (Vec<Vec<u32>>, Vec<Option<Event>>, usize) {
-    let mut ids: Vec<Option<RequestId>> = vec![None; requests.len()];
-    let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
-    let mut finished: HashMap<RequestId, Event> = HashMap::new();
-    let mut most = 0;
-    let mut step = 0;
-    loop {
-        for (i, r) in requests.iter().enumerate() {
-            if join_at[i] == step {
-                ids[i] = Some(batch.add(r.clone()).unwrap());
-            }
-        }
-        if let Some((which, at)) = cancel {
-            if at == step {
-                assert!(batch.cancel(ids[which].unwrap()), "the request was live");
-            }
-        }
-        if batch.is_idle() && join_at.iter().all(|&j| j < step) {
-            break;
-        }
-        for event in batch.step().unwrap() {
-            match event {
-                Event::Token { id, token, .. } => tokens.entry(id).or_default().push(token),
-                Event::Finished { id, .. } => {
-                    assert!(finished.insert(id, event).is_none(), "finished twice");
-                }
-                Event::Failed { message, .. } => panic!("a request failed: {message}"),
-            }
-        }
-        most = most.max(batch.running());
-        step += 1;
-        assert!(step < 2000, "the batch does not finish");
-    }
-    let out = ids
-        .iter()
-        .map(|id| tokens.remove(&id.unwrap()).unwrap_or_default())
-        .collect();
-    let events = ids.iter().map(|id| finished.remove(&id.unwrap())).collect();
-    (out, events, most)
+    common::run_batch(&mut batch, requests, join_at, cancel)
 }
 
 /// Greedy requests for `prompts`, but the third samples (seeded with `seed`).
@@ -277,7 +230,7 @@ fn steps_run_ahead_decode_what_each_request_decodes_alone() {
         .with_steps_ahead(true);
     // Request 3 joins late and is cancelled some steps after.
     let join_at = [0, 0, 3, 8];
-    let (out, events, most) = run_batch(&mut batch, &requests, &join_at, Some((3, 8 + 5)));
+    let (out, events, most) = common::run_batch(&mut batch, &requests, &join_at, Some((3, 8 + 5)));
     let ran_ahead = batch.times().steps_ahead;
     assert!(most >= 3, "rows ran together ({most})");
     assert!(ran_ahead > 5, "steps ran ahead ({ran_ahead})");

@@ -10,11 +10,10 @@
 mod common;
 
 use candle_core::{Device, Result, Tensor};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tessera_engine::{
-    Batch, BatchLimits, Event, GenerationRequest, RequestId, SamplerConfig, Session, StopReason,
+    Batch, BatchLimits, Event, GenerationRequest, SamplerConfig, Session, StopReason,
 };
 use tessera_kv::KvScheme;
 use tessera_models::step_graph::{install, DeviceGraph, GraphBackend, HostIds};
@@ -102,38 +101,12 @@ fn steps_run_ahead_on_chosen_ids_decode_what_each_request_decodes_alone() {
     let mut batch = Batch::new(&model, &scheme, 64, BatchLimits::default())
         .unwrap()
         .with_steps_ahead(true);
-    let mut ids: Vec<Option<RequestId>> = vec![None; requests.len()];
-    let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
-    let mut finished: HashMap<RequestId, Event> = HashMap::new();
-    let mut step = 0;
-    while step <= 2 || !batch.is_idle() {
-        for (i, r) in requests.iter().enumerate() {
-            if join_at[i] == step {
-                ids[i] = Some(batch.add(r.clone()).unwrap());
-            }
-        }
-        for event in batch.step().unwrap() {
-            match event {
-                Event::Token { id, token, .. } => tokens.entry(id).or_default().push(token),
-                Event::Finished { id, .. } => {
-                    assert!(finished.insert(id, event).is_none(), "finished twice");
-                }
-                Event::Failed { message, .. } => panic!("a request failed: {message}"),
-            }
-        }
-        step += 1;
-        assert!(step < 500, "the batch does not finish");
-    }
+    let (out, mut events, _) = common::run_batch(&mut batch, &requests, &join_at, None);
     assert!(batch.times().steps_ahead > 5, "{:?}", batch.times());
     assert!(
         picks.load(Ordering::SeqCst) > 5,
         "the stand-in chose the ids"
     );
-    let out: Vec<Vec<u32>> = ids
-        .iter()
-        .map(|id| tokens.remove(&id.unwrap()).unwrap_or_default())
-        .collect();
-    let mut end = |i: usize| finished.remove(&ids[i].unwrap());
     assert_eq!(
         out[0],
         alone[0][..stop_at],
@@ -146,7 +119,7 @@ fn steps_run_ahead_on_chosen_ids_decode_what_each_request_decodes_alone() {
         (1, StopReason::MaxTokens),
         (2, StopReason::MaxTokens),
     ] {
-        match end(i) {
+        match events[i].take() {
             Some(Event::Finished {
                 reason,
                 completion_tokens,

@@ -156,3 +156,58 @@ pub fn decode_alone(
     }
     out
 }
+
+/// Runs `requests` through `batch`, each added at the step of its index in `join_at` (and
+/// `cancel`'s request cancelled at its step); returns each request's tokens and finish
+/// event, and the most rows ever running. The batch (its times) stays with the caller.
+pub fn run_batch(
+    batch: &mut tessera_engine::Batch,
+    requests: &[tessera_engine::GenerationRequest],
+    join_at: &[usize],
+    cancel: Option<(usize, usize)>,
+) -> (Vec<Vec<u32>>, Vec<Option<tessera_engine::Event>>, usize) {
+    let mut ids: Vec<Option<tessera_engine::RequestId>> = vec![None; requests.len()];
+    let mut tokens: std::collections::HashMap<tessera_engine::RequestId, Vec<u32>> =
+        std::collections::HashMap::new();
+    let mut finished: std::collections::HashMap<tessera_engine::RequestId, tessera_engine::Event> =
+        std::collections::HashMap::new();
+    let mut most = 0;
+    let mut step = 0;
+    loop {
+        for (i, r) in requests.iter().enumerate() {
+            if join_at[i] == step {
+                ids[i] = Some(batch.add(r.clone()).unwrap());
+            }
+        }
+        if let Some((which, at)) = cancel {
+            if at == step {
+                assert!(batch.cancel(ids[which].unwrap()), "the request was live");
+            }
+        }
+        if batch.is_idle() && join_at.iter().all(|&j| j < step) {
+            break;
+        }
+        for event in batch.step().unwrap() {
+            match event {
+                tessera_engine::Event::Token { id, token, .. } => {
+                    tokens.entry(id).or_default().push(token)
+                }
+                tessera_engine::Event::Finished { id, .. } => {
+                    assert!(finished.insert(id, event).is_none(), "finished twice");
+                }
+                tessera_engine::Event::Failed { message, .. } => {
+                    panic!("a request failed: {message}")
+                }
+            }
+        }
+        most = most.max(batch.running());
+        step += 1;
+        assert!(step < 2000, "the batch does not finish");
+    }
+    let out = ids
+        .iter()
+        .map(|id| tokens.remove(&id.unwrap()).unwrap_or_default())
+        .collect();
+    let events = ids.iter().map(|id| finished.remove(&id.unwrap())).collect();
+    (out, events, most)
+}
