@@ -45,7 +45,8 @@ pub struct Shape {
     pub depth: usize,
     pub repeat: usize,
     pub batch: usize,
-    /// Decode steps run ahead of their tokens where the engine can (`Batch::with_steps_ahead`).
+    /// Decode steps run ahead of their tokens where the engine does so
+    /// (`Batch::with_steps_ahead`; false turns it off).
     pub steps_ahead: bool,
 }
 
@@ -114,7 +115,10 @@ fn decode_times(
     if held > 0 {
         session.feed(&context[..held])?;
     }
-    let mut batch = engine(model, scheme, rows)?.with_steps_ahead(steps_ahead);
+    let mut batch = engine(model, scheme, rows)?;
+    if !steps_ahead {
+        batch = batch.with_steps_ahead(false);
+    }
     let max_tokens = decode_tokens(rows, steps);
     for _ in 0..rows {
         let cache = session.cache().extract(0)?;
@@ -255,7 +259,7 @@ pub fn bench(margs: &ModelArgs, shape: Shape, kv: &KvArgs, json: bool) -> Result
              {repeat} runs after a warm-up; all rows' prompts, read one after another; a chunk \
              {chunk_ms:.2} ms, {chunk_submit_ms:.2} of them submitting)"
         );
-        let ahead = if steps_ahead {
+        let ahead = if times.steps_ahead > 0 {
             format!("; {} of the steps run ahead", times.steps_ahead)
         } else {
             String::new()

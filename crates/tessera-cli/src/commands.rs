@@ -634,6 +634,8 @@ pub struct ServeArgs {
     pub prefill_chunk: usize,
     pub api_key: Option<String>,
     pub spec: SpecArgs,
+    /// false: no decode step runs ahead of its tokens (`Batch::with_steps_ahead`).
+    pub steps_ahead: bool,
 }
 
 pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
@@ -717,6 +719,7 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
             prompt_cache_dir: args.prompt_cache_dir,
             chat_template: template,
             spec,
+            steps_ahead: args.steps_ahead,
         },
     };
     Ok(tessera_server::serve(config)?)

@@ -241,12 +241,11 @@ enum Command {
         /// (the prefill figure), then decoded as rows of one batch from the same context.
         #[arg(long, default_value_t = 1)]
         batch: usize,
-        /// Queue each greedy decode step on the ids the device chose at the step before,
-        /// taking that step's tokens while it runs (`Batch::with_steps_ahead`), instead of
-        /// waiting for the tokens first. Not yet measured on a GPU: compare the tokens
-        /// digest with a run without it.
+        /// Wait for each decode step's tokens before queueing the next, instead of queueing
+        /// it on the ids the device chose (`Batch::with_steps_ahead`, the default on a GPU):
+        /// to compare the two (the tokens digest must not change).
         #[arg(long)]
-        steps_ahead: bool,
+        no_steps_ahead: bool,
         #[command(flatten)]
         kv: KvArgs,
         /// Time to first token from this prompt cache (load, then prefill --suffix-tokens
@@ -321,6 +320,10 @@ enum Command {
         /// Require `Authorization: Bearer KEY` on /v1/*.
         #[arg(long)]
         api_key: Option<String>,
+        /// Wait for each decode step's tokens before queueing the next (on a GPU greedy
+        /// steps otherwise run one ahead of their tokens: `Batch::with_steps_ahead`).
+        #[arg(long)]
+        no_steps_ahead: bool,
     },
     /// Per-layer KV cache schemes: `auto` measures each layer's key and value sensitivity
     /// on a text and writes the `--kv-config` file of least KL for a budget of bits.
@@ -590,7 +593,7 @@ fn run(cli: Cli) -> Result<()> {
             depth,
             repeat,
             batch,
-            steps_ahead,
+            no_steps_ahead,
             kv,
             prompt_cache: None,
             json,
@@ -603,7 +606,7 @@ fn run(cli: Cli) -> Result<()> {
                 depth,
                 repeat,
                 batch,
-                steps_ahead,
+                steps_ahead: !no_steps_ahead,
             },
             &kv,
             json,
@@ -621,6 +624,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_chunk,
             api_key,
             spec,
+            no_steps_ahead,
         } => commands::serve(
             &model,
             &kv,
@@ -635,6 +639,7 @@ fn run(cli: Cli) -> Result<()> {
                 prefill_chunk,
                 api_key,
                 spec,
+                steps_ahead: !no_steps_ahead,
             },
         ),
         Command::Cache {

@@ -338,14 +338,14 @@ impl<'m> Batch<'m> {
             spec_stats: SpecStats::default(),
             kept: None,
             times: BatchTimes::default(),
-            steps_ahead: false,
+            steps_ahead: model.device().is_cuda(),
             ahead: None,
         })
     }
 
-    /// Whether greedy decode steps run one ahead of their tokens (off by default: on a GPU
-    /// the device path has not yet been measured correct and faster, NOTES.md; on the CPU a
-    /// forward runs as it is called and nothing would overlap). Run ahead, a step queues
+    /// Whether greedy decode steps run one ahead of their tokens (by default on a GPU, where
+    /// they took 0.1–0.2 ms off a batch-1 step of an 8B, BENCHMARKS.md; off on the CPU, where
+    /// a forward runs as it is called and nothing would overlap). Run ahead, a step queues
     /// its forward on the ids the previous step chose (on the device, where it picks
     /// them), then takes the previous step's tokens while the forward runs:
     /// the device does not idle while the host reads tokens, emits them and prepares the

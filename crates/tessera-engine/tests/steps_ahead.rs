@@ -5,7 +5,7 @@
 //! steps themselves stay eager. Requests that join at different steps, end on `max_tokens`
 //! and on a stop token (so the chosen ids are filtered as rows leave) decode what each
 //! decodes alone. The CUDA kernel itself is checked on the device (`tessera bench`'s tokens
-//! digest with and without `--steps-ahead`).
+//! digest with and without `--no-steps-ahead`).
 
 mod common;
 

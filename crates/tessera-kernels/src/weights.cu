@@ -40,11 +40,20 @@
 //   MIN_WARPS  the launch bounds ask for MIN_WARPS / W blocks an SM: at 12 the compiler
 //              hoists loads further (more registers where the bound allows) and 8–32-row
 //              launches ran 10–20% faster on the H200; 0 leaves it free.
+//   PRIOR_L1   how a kernel loads what the kernel before it wrote (ld_prior): 0 from L2,
+//              1 through L1.
+//   FRAG_FIRST with several n8 tiles, 1: an octet's B fragments all loaded before its mma.
 #ifndef B_AHEAD
 #define B_AHEAD 1
 #endif
 #ifndef MIN_WARPS
 #define MIN_WARPS 12
+#endif
+#ifndef PRIOR_L1
+#define PRIOR_L1 0
+#endif
+#ifndef FRAG_FIRST
+#define FRAG_FIRST 0
 #endif
 
 typedef unsigned int u32;
@@ -78,10 +87,17 @@ __device__ __forceinline__ void wait_for_prior() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-// A load of what an earlier kernel wrote: from L2 (.cg), where a dependent launch's writes
-// meet, never from a line this SM's L1 may have kept from before the write.
+// A load of what an earlier kernel wrote. PRIOR_L1 0: from L2 (.cg), where a dependent
+// launch's writes meet, never from a line this SM's L1 may have kept from before the write;
+// 1: an ordinary load, which may hit L1 (griddepcontrol.wait makes the earlier grid's writes
+// visible to this one), so blocks on one SM share the B fragments they all read.
+#if PRIOR_L1
+__device__ __forceinline__ float4 ld_prior(const float4* p) { return *p; }
+__device__ __forceinline__ uint4 ld_prior(const uint4* p) { return *p; }
+#else
 __device__ __forceinline__ float4 ld_prior(const float4* p) { return __ldcg(p); }
 __device__ __forceinline__ uint4 ld_prior(const uint4* p) { return __ldcg(p); }
+#endif
 
 __device__ __forceinline__ u32 word_of(const uint4& c, int t) {
     return t == 0 ? c.x : t == 1 ? c.y : t == 2 ? c.z : c.w;
@@ -356,12 +372,22 @@ __device__ __forceinline__ void mma_octet(float (&acc)[RT][NT][4], const Octet<N
                                           const uint4* __restrict__ frag, int o, int kb,
                                           int lane) {
     const uint4* f = frag + (size_t)o * 256 + lane; // block 8o's fragment of n8 tile 0
+    // FRAG_FIRST: every block's fragments loaded before the first mma (ld_prior's .cg is a
+    // volatile asm, as mma is, so loads interleaved with them issue one round trip a block).
+    uint4 first[FRAG_FIRST && !(NT == 1 && B_AHEAD) ? 8 : 1][NT];
+    if (FRAG_FIRST && !(NT == 1 && B_AHEAD)) {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int j = 0; j < NT; j++) first[i][j] = ld_prior(f + (size_t)j * kb * 32 + i * 32);
+    }
 #pragma unroll
     for (int i = 0; i < 8; i++) { // the octet's blocks
         uint4 bf[NT];
 #pragma unroll
         for (int j = 0; j < NT; j++)
             bf[j] = NT == 1 && B_AHEAD ? q.bf[B_AHEAD ? i : 0]
+                    : FRAG_FIRST       ? first[FRAG_FIRST ? i : 0][j]
                                        : ld_prior(f + (size_t)j * kb * 32 + i * 32);
 #pragma unroll
         for (int r = 0; r < RT; r++) {

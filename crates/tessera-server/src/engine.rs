@@ -106,6 +106,9 @@ pub struct EngineParts {
     pub chat_template: Option<ChatTemplate>,
     /// Speculation inside the batch (`--spec ngram`); `None`: plain decode steps.
     pub spec: Option<BatchSpec>,
+    /// false: no greedy decode step runs ahead of its tokens (`Batch::with_steps_ahead`,
+    /// which the batch does by default on a GPU).
+    pub steps_ahead: bool,
 }
 
 /// A reply held back until the step's metrics are published, so that a client that has
@@ -376,9 +379,13 @@ fn new_batch<'m>(
     prefix_cache: usize,
     dir: Option<&Path>,
     spec: Option<BatchSpec>,
+    steps_ahead: bool,
 ) -> Result<Batch<'m>, EngineError> {
     let fresh = || -> Result<Batch<'m>, EngineError> {
-        let batch = Batch::new(model, scheme, prefill_chunk, limits)?.with_tokenizer(tokenizer);
+        let mut batch = Batch::new(model, scheme, prefill_chunk, limits)?.with_tokenizer(tokenizer);
+        if !steps_ahead {
+            batch = batch.with_steps_ahead(false);
+        }
         match spec {
             Some(spec) => batch.with_speculation(spec),
             None => Ok(batch),
@@ -416,6 +423,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
         prompt_cache_dir,
         chat_template,
         spec,
+        steps_ahead,
     } = parts;
     let dir = prompt_cache_dir.as_deref();
     // The first batch, and each one after an engine failure (rows kept in memory are gone;
@@ -430,6 +438,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
             prefix_cache,
             dir,
             spec,
+            steps_ahead,
         )
     };
     let mut batch = match fresh_batch() {
