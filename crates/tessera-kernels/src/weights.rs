@@ -72,13 +72,17 @@ impl MmaShape {
     /// input rows, NOTES.md).
     pub const SMALL: MmaShape = MmaShape { tiles: 2, warps: 8 };
 
-    /// The shape the model uses for an `n`-row matrix, `small` for those of ≤ 4096 rows
-    /// ([`MmaShape::SMALL`] unless a weights-bench variant says otherwise).
-    pub fn for_matrix(n: usize, small: MmaShape) -> MmaShape {
+    /// The shape the model uses for larger matrices (q|k|v, gate|up, the output).
+    pub const LARGE: MmaShape = MmaShape { tiles: 1, warps: 4 };
+
+    /// The shape the model uses for an `n`-row matrix: `small` for those of ≤ 4096 rows,
+    /// `large` above ([`MmaShape::SMALL`] and [`MmaShape::LARGE`] unless a weights-bench
+    /// variant says otherwise).
+    pub fn for_matrix(n: usize, small: MmaShape, large: MmaShape) -> MmaShape {
         if n <= 4096 {
             small
         } else {
-            MmaShape { tiles: 1, warps: 4 }
+            large
         }
     }
 
@@ -141,8 +145,9 @@ struct Kernels {
     gemm_inputs: [CudaFunction; 4],
     /// [`CudaWeights`]'s `split_up_to`.
     split_up_to: usize,
-    /// [`CudaWeights`]'s `small_shape`.
+    /// [`CudaWeights`]'s `small_shape` and `large_shape`.
     small_shape: MmaShape,
+    large_shape: MmaShape,
     /// The B fragments' scratch, shared by every matrix: launches on one stream run in
     /// order, so a matmul's fragments are read before the next one writes them.
     fragments: Mutex<Option<CudaSlice<u32>>>,
@@ -187,8 +192,10 @@ pub struct CudaWeights {
     defines: String,
     /// Most input rows split into high parts and residuals ([`SPLIT_UP_TO`] for the model).
     split_up_to: usize,
-    /// The launch shape of matrices of ≤ 4096 rows ([`MmaShape::for_matrix`]).
+    /// The launch shapes of matrices of ≤ 4096 rows and of larger ones
+    /// ([`MmaShape::for_matrix`]).
     small_shape: MmaShape,
+    large_shape: MmaShape,
 }
 
 impl Default for CudaWeights {
@@ -207,6 +214,7 @@ impl CudaWeights {
             defines: defines.to_string(),
             split_up_to,
             small_shape: MmaShape::SMALL,
+            large_shape: MmaShape::LARGE,
         }
     }
 
@@ -214,6 +222,13 @@ impl CudaWeights {
     /// variants).
     pub fn with_small_shape(mut self, shape: MmaShape) -> Self {
         self.small_shape = shape;
+        self
+    }
+
+    /// The same backend launching matrices of more than 4096 rows as `shape` (weights-bench's
+    /// variants).
+    pub fn with_large_shape(mut self, shape: MmaShape) -> Self {
+        self.large_shape = shape;
         self
     }
 
@@ -263,6 +278,7 @@ impl CudaWeights {
             ],
             split_up_to: self.split_up_to,
             small_shape: self.small_shape,
+            large_shape: self.large_shape,
             fragments: Mutex::new(None),
         });
         *slot = Some(k.clone());
@@ -695,7 +711,11 @@ impl Q4Matrix {
         if m >= GEMM_FROM {
             Path::Gemm
         } else {
-            Path::Mma(MmaShape::for_matrix(self.n, self.kernels.small_shape))
+            Path::Mma(MmaShape::for_matrix(
+                self.n,
+                self.kernels.small_shape,
+                self.kernels.large_shape,
+            ))
         }
     }
 
