@@ -43,7 +43,8 @@
 //   PRIOR_L1   how a kernel loads what the kernel before it wrote (ld_prior): 0 from L2,
 //              1 through L1. 1 took an 8B forward's matmuls 4–9% faster at 8–32 input rows
 //              on the H100 (the 4-row output matrix 187 → 117 µs), the same digests.
-//   FRAG_FIRST with several n8 tiles, 1: an octet's B fragments all loaded before its mma.
+//   FRAG_FIRST with several n8 tiles, 1: an octet's B fragments all loaded before its mma
+//              (no faster at 8–32 rows on the H100).
 #ifndef B_AHEAD
 #define B_AHEAD 1
 #endif
@@ -375,8 +376,9 @@ __device__ __forceinline__ void mma_octet(float (&acc)[RT][NT][4], const Octet<N
                                           const uint4* __restrict__ frag, int o, int kb,
                                           int lane) {
     const uint4* f = frag + (size_t)o * 256 + lane; // block 8o's fragment of n8 tile 0
-    // FRAG_FIRST: every block's fragments loaded before the first mma (ld_prior's .cg is a
-    // volatile asm, as mma is, so loads interleaved with them issue one round trip a block).
+    // FRAG_FIRST: every block's fragments loaded before the first mma, in case loads
+    // interleaved with the mma were issued one round trip a block. They were not: no change
+    // on the H100 (NOTES.md, 2026-12-06).
     uint4 first[FRAG_FIRST && !(NT == 1 && B_AHEAD) ? 8 : 1][NT];
     if (FRAG_FIRST && !(NT == 1 && B_AHEAD)) {
 #pragma unroll
