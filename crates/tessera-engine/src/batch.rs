@@ -350,14 +350,22 @@ impl<'m> Batch<'m> {
     /// them), then takes the previous step's tokens while the forward runs:
     /// the device does not idle while the host reads tokens, emits them and prepares the
     /// next step. Each token is emitted one step later, and a row that ends on a token has
-    /// had one step more computed for it, which leaves with it. It applies while every
-    /// running row is greedy without penalties or log-probabilities, no row is about to
-    /// reach its `max_tokens` or the context, nothing waits to be read, and the batch has
-    /// no speculation, prefix store or kept rows; other steps take any tokens still ahead
-    /// first and run as before.
+    /// had one step more computed for it, which leaves with it: a kept row
+    /// ([`Batch::keeping_rows`]) that ended on a stop token holds that token fed, and says
+    /// so in the tokens [`Batch::take_row`] hands back. It applies while every running row
+    /// is greedy without penalties or log-probabilities, no row is about to reach its
+    /// `max_tokens` or the context, nothing waits to be read, and the batch has no
+    /// speculation or prefix store; other steps take any tokens still ahead first and run
+    /// as before.
     pub fn with_steps_ahead(mut self, on: bool) -> Self {
-        self.steps_ahead = on;
+        self.set_steps_ahead(on);
         self
+    }
+
+    /// [`Batch::with_steps_ahead`] on a batch already running: a step still ahead keeps
+    /// its tokens for the next step to take.
+    pub fn set_steps_ahead(&mut self, on: bool) {
+        self.steps_ahead = on;
     }
 
     /// Takes the tokens of a step run ahead, if any (their events), so that every token
@@ -1039,7 +1047,6 @@ impl<'m> Batch<'m> {
             || self.rows.is_empty()
             || self.spec.is_some()
             || self.prefixes.is_some()
-            || self.kept.is_some()
             || !self.cancelled.is_empty()
             || !self.waiting.is_empty()
             || self.prefill.is_some()
@@ -1258,11 +1265,15 @@ impl<'m> Batch<'m> {
                 .as_ref()
                 .map_or_else(Vec::new, KvCache::offsets);
             for &i in gone {
-                // A leaving row holds the tokens it was fed: its history up to its offset.
-                let fed = offsets
-                    .get(i)
-                    .map_or(0, |&o| o.min(self.rows[i].history.len()));
-                let tokens = self.rows[i].history[..fed].to_vec();
+                // A leaving row holds the tokens it was fed: its history up to its offset,
+                // and the stop token it ended on where a step run ahead fed it.
+                let row = &self.rows[i];
+                let offset = offsets.get(i).copied().unwrap_or(0);
+                let fed = offset.min(row.history.len());
+                let mut tokens = row.history[..fed].to_vec();
+                if let Some(stop) = row.stop_token.filter(|_| offset == fed + 1) {
+                    tokens.push(stop);
+                }
                 // The last row leaving takes the cache itself rather than a copy.
                 let cache = match self.running.take() {
                     Some(c) if keep.is_empty() && gone.len() == 1 => c,

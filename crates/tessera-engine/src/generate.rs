@@ -113,9 +113,22 @@ impl<'s, 'm> Generation<'s, 'm> {
         self.stop
     }
 
-    /// The stop token that ended generation, when [`StopReason::EndToken`] did.
+    /// The stop token that ended generation, when [`StopReason::EndToken`] did. Where
+    /// decode steps ran ahead of their tokens ([`Generation::set_steps_ahead`]), the
+    /// session's cache holds it fed; else it does not.
     pub fn stop_token(&self) -> Option<u32> {
         self.stop_token
+    }
+
+    /// Whether decode steps run one ahead of their tokens ([`Batch::with_steps_ahead`]; by
+    /// default where the model runs on a GPU).
+    pub fn set_steps_ahead(&mut self, on: bool) {
+        self.batch.set_steps_ahead(on);
+    }
+
+    /// The decode steps that ran ahead of their tokens so far.
+    pub fn steps_ahead(&self) -> usize {
+        self.batch.times().steps_ahead
     }
 
     /// The session (its cache is lent to the generation until it ends).

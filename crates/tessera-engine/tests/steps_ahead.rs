@@ -11,9 +11,9 @@ mod common;
 
 use candle_core::{Device, Result, Tensor};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use tessera_engine::{
-    Batch, BatchLimits, Event, GenerationRequest, SamplerConfig, Session, StopReason,
+    Batch, BatchLimits, Event, Generation, GenerationRequest, SamplerConfig, Session, StopReason,
 };
 use tessera_kv::KvScheme;
 use tessera_models::step_graph::{install, DeviceGraph, GraphBackend, HostIds};
@@ -60,12 +60,24 @@ fn request(prompt: Vec<u32>, max_tokens: usize, stop_tokens: Vec<u32>) -> Genera
     }
 }
 
+/// The stand-in, installed once for the process (the tests share it), and its count of
+/// steps whose ids it chose.
+fn stand_in() -> Arc<AtomicUsize> {
+    static PICKS: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
+    PICKS
+        .get_or_init(|| {
+            let picks = Arc::new(AtomicUsize::new(0));
+            install(Box::new(StandIn {
+                picks: picks.clone(),
+            }));
+            picks
+        })
+        .clone()
+}
+
 #[test]
 fn steps_run_ahead_on_chosen_ids_decode_what_each_request_decodes_alone() {
-    let picks = Arc::new(AtomicUsize::new(0));
-    install(Box::new(StandIn {
-        picks: picks.clone(),
-    }));
+    let picks = stand_in();
     let (model, tok) = common::load_f32_weights();
     let scheme = KvScheme::parse("affine:4").unwrap();
     let chars: Vec<char> = common::corpus().chars().collect();
@@ -131,4 +143,94 @@ fn steps_run_ahead_on_chosen_ids_decode_what_each_request_decodes_alone() {
             other => panic!("request {i} ended with {other:?}"),
         }
     }
+}
+
+/// A generation (a one-row batch keeping its row, as `generate` and `chat` run) whose steps
+/// run ahead: the same tokens as one that waits for them, ending on a stop token. The
+/// session then holds that token fed (the step run ahead fed it) where the other holds the
+/// sequence without it, so a session that waited is fed it too; from there a second turn
+/// decodes the same tokens in both, as chat's next turn does.
+#[test]
+fn a_generation_keeping_its_row_runs_ahead_and_its_session_holds_what_it_fed() {
+    let picks = stand_in();
+    let (model, tok) = common::load_f32_weights();
+    let scheme = KvScheme::parse("affine:4").unwrap();
+    let chars: Vec<char> = common::corpus().chars().collect();
+    let text = |at: usize, len: usize| chars[at..at + len].iter().collect::<String>();
+    let first = tok.encode(&text(12000, 60), true).unwrap();
+    let second = tok.encode(&text(20000, 40), false).unwrap();
+    let alone = {
+        let mut session = Session::new(&model, &scheme, 64).unwrap();
+        common::decode_alone(&mut session, &first, SamplerConfig::default(), 30)
+    };
+    let stop_at = (6..alone.len())
+        .find(|&k| !alone[..k].contains(&alone[k]))
+        .unwrap_or_else(|| panic!("no token first made late in {alone:?}"));
+    let stop = alone[stop_at];
+
+    let mut turns: Vec<(Vec<u32>, Vec<u32>, Vec<u32>)> = Vec::new();
+    for ahead in [false, true] {
+        let before = picks.load(Ordering::SeqCst);
+        let mut session = Session::new(&model, &scheme, 64).unwrap();
+        let mut gen = Generation::new(
+            &mut session,
+            &first,
+            SamplerConfig::default(),
+            30,
+            vec![stop],
+        )
+        .unwrap();
+        gen.set_steps_ahead(ahead);
+        let out: Vec<u32> = gen.by_ref().map(|t| t.unwrap()).collect();
+        assert_eq!(
+            gen.stop_reason(),
+            Some(StopReason::EndToken),
+            "ahead {ahead}"
+        );
+        assert_eq!(gen.stop_token(), Some(stop), "ahead {ahead}");
+        let ran_ahead = gen.steps_ahead();
+        drop(gen);
+        if ahead {
+            assert!(ran_ahead > 3, "{ran_ahead} steps ran ahead");
+            assert!(
+                picks.load(Ordering::SeqCst) > before,
+                "the stand-in chose the ids"
+            );
+        } else {
+            assert_eq!(ran_ahead, 0);
+            // The stop token, fed as the step run ahead fed it.
+            session.feed(&[stop]).unwrap();
+        }
+        let held = session.tokens().to_vec();
+        assert_eq!(
+            session.cache().offsets(),
+            vec![held.len()],
+            "ahead {ahead}: the cache holds the session's tokens"
+        );
+        let mut gen =
+            Generation::new(&mut session, &second, SamplerConfig::default(), 12, vec![]).unwrap();
+        gen.set_steps_ahead(ahead);
+        let next: Vec<u32> = gen.by_ref().map(|t| t.unwrap()).collect();
+        assert_eq!(
+            gen.stop_reason(),
+            Some(StopReason::MaxTokens),
+            "ahead {ahead}"
+        );
+        drop(gen);
+        assert_eq!(session.tokens().len(), held.len() + second.len() + 11);
+        turns.push((out, held, next));
+    }
+    assert_eq!(
+        turns[0].0,
+        alone[..stop_at],
+        "waiting: the first turn up to its stop"
+    );
+    assert_eq!(turns[1].0, turns[0].0, "the first turn's tokens");
+    assert_eq!(turns[1].1, turns[0].1, "the sessions after the first turn");
+    assert_eq!(
+        turns[1].1.last(),
+        Some(&stop),
+        "the session holds the stop token"
+    );
+    assert_eq!(turns[1].2, turns[0].2, "the second turn's tokens");
 }
