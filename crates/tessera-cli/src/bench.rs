@@ -115,10 +115,7 @@ fn decode_times(
     if held > 0 {
         session.feed(&context[..held])?;
     }
-    let mut batch = engine(model, scheme, rows)?;
-    if !steps_ahead {
-        batch = batch.with_steps_ahead(false);
-    }
+    let mut batch = engine(model, scheme, rows)?.allowing_steps_ahead(steps_ahead);
     let max_tokens = decode_tokens(rows, steps);
     for _ in 0..rows {
         let cache = session.cache().extract(0)?;

@@ -362,6 +362,13 @@ impl<'m> Batch<'m> {
         self
     }
 
+    /// [`Batch::with_steps_ahead`] where `allowed`, else off: a caller's switch that leaves
+    /// the default (by device) in place unless it turns steps ahead off.
+    pub fn allowing_steps_ahead(mut self, allowed: bool) -> Self {
+        self.steps_ahead &= allowed;
+        self
+    }
+
     /// [`Batch::with_steps_ahead`] on a batch already running: a step still ahead keeps
     /// its tokens for the next step to take.
     pub fn set_steps_ahead(&mut self, on: bool) {

@@ -17,6 +17,7 @@ use tessera_engine::{
 };
 use tessera_kv::KvScheme;
 use tessera_models::step_graph::{install, DeviceGraph, GraphBackend, HostIds};
+use tessera_models::Tokenizer;
 
 struct StandIn {
     picks: Arc<AtomicUsize>,
@@ -75,18 +76,28 @@ fn stand_in() -> Arc<AtomicUsize> {
         .clone()
 }
 
+/// `len` characters of the corpus from character `at`, encoded.
+fn corpus_tokens(tok: &Tokenizer, at: usize, len: usize, bos: bool) -> Vec<u32> {
+    let text: String = common::corpus().chars().skip(at).take(len).collect();
+    tok.encode(&text, bos).unwrap()
+}
+
+/// Where `tokens` first holds a token it had not made before, from its seventh on: a stop
+/// token that ends a request after several steps ran ahead.
+fn first_made_late(tokens: &[u32]) -> usize {
+    (6..tokens.len())
+        .find(|&k| !tokens[..k].contains(&tokens[k]))
+        .unwrap_or_else(|| panic!("no token first made late in {tokens:?}"))
+}
+
 #[test]
 fn steps_run_ahead_on_chosen_ids_decode_what_each_request_decodes_alone() {
     let picks = stand_in();
     let (model, tok) = common::load_f32_weights();
     let scheme = KvScheme::parse("affine:4").unwrap();
-    let chars: Vec<char> = common::corpus().chars().collect();
     let prompts: Vec<Vec<u32>> = [(9000, 40), (500, 30), (31000, 220)]
         .iter()
-        .map(|&(at, len)| {
-            tok.encode(&chars[at..at + len].iter().collect::<String>(), true)
-                .unwrap()
-        })
+        .map(|&(at, len)| corpus_tokens(&tok, at, len, true))
         .collect();
     let max_tokens = [30usize, 24, 20];
     let alone: Vec<Vec<u32>> = prompts
@@ -100,9 +111,7 @@ fn steps_run_ahead_on_chosen_ids_decode_what_each_request_decodes_alone() {
     // Request 0, the first row, stops on a token it first makes at its seventh or later,
     // while all three run ahead: the last row then takes its place, and the chosen ids
     // must follow.
-    let stop_at = (6..max_tokens[0])
-        .find(|&k| !alone[0][..k].contains(&alone[0][k]))
-        .unwrap_or_else(|| panic!("no token first made late in {:?}", alone[0]));
+    let stop_at = first_made_late(&alone[0]);
     let stop = alone[0][stop_at];
     let requests = [
         request(prompts[0].clone(), max_tokens[0], vec![stop]),
@@ -155,17 +164,13 @@ fn a_generation_keeping_its_row_runs_ahead_and_its_session_holds_what_it_fed() {
     let picks = stand_in();
     let (model, tok) = common::load_f32_weights();
     let scheme = KvScheme::parse("affine:4").unwrap();
-    let chars: Vec<char> = common::corpus().chars().collect();
-    let text = |at: usize, len: usize| chars[at..at + len].iter().collect::<String>();
-    let first = tok.encode(&text(12000, 60), true).unwrap();
-    let second = tok.encode(&text(20000, 40), false).unwrap();
+    let first = corpus_tokens(&tok, 12000, 60, true);
+    let second = corpus_tokens(&tok, 20000, 40, false);
     let alone = {
         let mut session = Session::new(&model, &scheme, 64).unwrap();
         common::decode_alone(&mut session, &first, SamplerConfig::default(), 30)
     };
-    let stop_at = (6..alone.len())
-        .find(|&k| !alone[..k].contains(&alone[k]))
-        .unwrap_or_else(|| panic!("no token first made late in {alone:?}"));
+    let stop_at = first_made_late(&alone);
     let stop = alone[stop_at];
 
     let mut turns: Vec<(Vec<u32>, Vec<u32>, Vec<u32>)> = Vec::new();

@@ -34,7 +34,8 @@
 
 // Build choices (weights-bench's `variants` compiles others and times them; NOTES.md keeps
 // the ones that lost: an L2 prefetch of the block's tiles, one register set instead of two, a
-// shared-memory ring of up to 5 octets in flight a warp by cp.async):
+// shared-memory ring of up to 5 octets in flight a warp by cp.async, an octet's B fragments
+// all loaded before its first mma):
 //   B_AHEAD    1: with one n8 tile, an octet's B fragments are loaded with its codes (one
 //              octet ahead, 32 registers a set); 0: at their use, like wider launches'.
 //   MIN_WARPS  the launch bounds ask for MIN_WARPS / W blocks an SM: at 12 the compiler
@@ -43,8 +44,6 @@
 //   PRIOR_L1   how a kernel loads what the kernel before it wrote (ld_prior): 0 from L2,
 //              1 through L1. 1 took an 8B forward's matmuls 4–9% faster at 8–32 input rows
 //              on the H100 (the 4-row output matrix 187 → 117 µs), the same digests.
-//   FRAG_FIRST with several n8 tiles, 1: an octet's B fragments all loaded before its mma
-//              (no faster at 8–32 rows on the H100).
 #ifndef B_AHEAD
 #define B_AHEAD 1
 #endif
@@ -53,9 +52,6 @@
 #endif
 #ifndef PRIOR_L1
 #define PRIOR_L1 1
-#endif
-#ifndef FRAG_FIRST
-#define FRAG_FIRST 0
 #endif
 
 typedef unsigned int u32;
@@ -376,23 +372,12 @@ __device__ __forceinline__ void mma_octet(float (&acc)[RT][NT][4], const Octet<N
                                           const uint4* __restrict__ frag, int o, int kb,
                                           int lane) {
     const uint4* f = frag + (size_t)o * 256 + lane; // block 8o's fragment of n8 tile 0
-    // FRAG_FIRST: every block's fragments loaded before the first mma, in case loads
-    // interleaved with the mma were issued one round trip a block. They were not: no change
-    // on the H100 (NOTES.md, 2026-12-06).
-    uint4 first[FRAG_FIRST && !(NT == 1 && B_AHEAD) ? 8 : 1][NT];
-    if (FRAG_FIRST && !(NT == 1 && B_AHEAD)) {
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-#pragma unroll
-            for (int j = 0; j < NT; j++) first[i][j] = ld_prior(f + (size_t)j * kb * 32 + i * 32);
-    }
 #pragma unroll
     for (int i = 0; i < 8; i++) { // the octet's blocks
         uint4 bf[NT];
 #pragma unroll
         for (int j = 0; j < NT; j++)
             bf[j] = NT == 1 && B_AHEAD ? q.bf[B_AHEAD ? i : 0]
-                    : FRAG_FIRST       ? first[FRAG_FIRST ? i : 0][j]
                                        : ld_prior(f + (size_t)j * kb * 32 + i * 32);
 #pragma unroll
         for (int r = 0; r < RT; r++) {

@@ -382,10 +382,9 @@ fn new_batch<'m>(
     steps_ahead: bool,
 ) -> Result<Batch<'m>, EngineError> {
     let fresh = || -> Result<Batch<'m>, EngineError> {
-        let mut batch = Batch::new(model, scheme, prefill_chunk, limits)?.with_tokenizer(tokenizer);
-        if !steps_ahead {
-            batch = batch.with_steps_ahead(false);
-        }
+        let batch = Batch::new(model, scheme, prefill_chunk, limits)?
+            .with_tokenizer(tokenizer)
+            .allowing_steps_ahead(steps_ahead);
         match spec {
             Some(spec) => batch.with_speculation(spec),
             None => Ok(batch),
