@@ -916,6 +916,22 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qs
                                           float (&sm_acc)[WARPS][8][D]) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane >> 2, tq = lane & 3;
+    const FoldBase base = {kdata + (block_rows + gid) * ROW_WORDS + tq * KGW,
+                            vdata + (block_rows + 2 * tq) * ROW_WORDS + gid * VGW,
+                            kparams + (block_rows + gid) * NG, vparams + (block_rows + gid) * NG};
+    auto load = [&](FoldTile& t, int r0) {
+        if (r0 + 16 <= hi)
+            load_fold_full(t, base, r0);
+        else if (r0 < hi)
+            load_fold_tail(t, kdata, kparams, vdata, vparams, block_rows, r0, lo, hi, gid, tq);
+    };
+    // Two tiles in registers, alternating (no copy of the next into the current). The first
+    // two are on their way before the query is read and converted. (A per-warp cp.async
+    // ring of 2–4 shared-memory stages lost to this at batch 16: NOTES.md, 2026-12-06.)
+    FoldTile ta, tb;
+    int r0 = lo + warp * 16;
+    load(ta, r0);
+    load(tb, r0 + WARPS * 16);
     u32 qb[D / 16][2];
 #if CODEC == 0
     u32 ql[D / 16][2]; // q's residual parts
@@ -1103,27 +1119,14 @@ __device__ __forceinline__ void fold_pass(const float* __restrict__ qg, float qs
         }
     };
 
-    const FoldBase base = {kdata + (block_rows + gid) * ROW_WORDS + tq * KGW,
-                            vdata + (block_rows + 2 * tq) * ROW_WORDS + gid * VGW,
-                            kparams + (block_rows + gid) * NG, vparams + (block_rows + gid) * NG};
-    auto load = [&](FoldTile& t, int r0) {
-        if (r0 + 16 <= hi)
-            load_fold_full(t, base, r0);
-        else if (r0 < hi)
-            load_fold_tail(t, kdata, kparams, vdata, vparams, block_rows, r0, lo, hi, gid, tq);
-    };
-    // Two tiles in registers, alternating (no copy of the next into the current).
-    FoldTile ta, tb;
-    int r0 = lo + warp * 16;
-    load(ta, r0);
     while (r0 < hi) {
-        load(tb, r0 + WARPS * 16);
         step(ta, r0);
         r0 += WARPS * 16;
         if (r0 >= hi) break;
         load(ta, r0 + WARPS * 16);
         step(tb, r0);
         r0 += WARPS * 16;
+        load(tb, r0 + WARPS * 16);
     }
 
     // Sums over the 8 gid lanes (rows) of each head's l and bias term.
@@ -1274,8 +1277,9 @@ kv_chunk_partial_fold(const float* __restrict__ q, float qscale,
 #endif // foldable codec
 
 // grid (query heads, batch), 256 threads: merges the splits of one output row. Warp w
-// folds splits w, w + 8, ... (lane: elements lane, lane + 32, ...), so a long split list
-// is walked by eight warps at once; the warps' states are then merged per element.
+// sums splits w, w + 8, ... against their maximum (lane: elements lane, lane + 32, ...),
+// so a long split list is walked by eight warps at once; the warps' states are then
+// merged per element.
 #define MERGE_WARPS 8
 extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32)
 kv_decode_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
@@ -1287,19 +1291,25 @@ kv_decode_merge(const float* __restrict__ part_ml, const float* __restrict__ par
     if (live && hq == 0 && threadIdx.x == 0) live[2 + 2 * b] += 1;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long first = ((long)b * qh + hq) * splits;
+    // The warp's maximum first (lane j reads split warp + 8j's), so that the sums need no
+    // rescaling and their loads do not wait on one another: two round trips to L2 a warp
+    // instead of one a split (a batch-1 read at 32k has 64 splits).
     float m = NEG_BIG, l = 0.f, a[(D + 31) / 32];
+    for (int s = warp + MERGE_WARPS * lane; s < splits; s += MERGE_WARPS * 32)
+        m = fmaxf(m, part_ml[(first + s) * 2]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
 #pragma unroll
     for (int i = 0; i < (D + 31) / 32; i++) a[i] = 0.f;
+#pragma unroll 8
     for (int s = warp; s < splits; s += MERGE_WARPS) {
-        const float ms = part_ml[(first + s) * 2], ls = part_ml[(first + s) * 2 + 1];
-        const float mn = fmaxf(m, ms), c = fast_exp2(m - mn), cs = fast_exp2(ms - mn);
-        l = l * c + ls * cs;
+        const float cs = fast_exp2(part_ml[(first + s) * 2] - m);
+        l = fmaf(part_ml[(first + s) * 2 + 1], cs, l);
 #pragma unroll
         for (int i = 0; i < (D + 31) / 32; i++) {
             const int e = lane + 32 * i;
-            if (e < D) a[i] = a[i] * c + part_acc[(first + s) * D + e] * cs;
+            if (e < D) a[i] = fmaf(part_acc[(first + s) * D + e], cs, a[i]);
         }
-        m = mn;
     }
     __shared__ float sm_ml[MERGE_WARPS][2];
     __shared__ float sm_a[MERGE_WARPS][D];

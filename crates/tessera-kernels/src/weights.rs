@@ -72,7 +72,8 @@ impl MmaShape {
     /// input rows, NOTES.md).
     pub const SMALL: MmaShape = MmaShape { tiles: 2, warps: 8 };
 
-    /// The shape the model uses for larger matrices (q|k|v, gate|up, the output).
+    /// The shape the model uses for larger matrices (q|k|v, gate|up, the output). Two tiles
+    /// a warp (2 × 4, 2 × 8) lost at every row count, 1 to 32 (H100, 2026-12-06, NOTES.md).
     pub const LARGE: MmaShape = MmaShape { tiles: 1, warps: 4 };
 
     /// The shape the model uses for an `n`-row matrix: `small` for those of ≤ 4096 rows,

@@ -5,7 +5,9 @@
 //! "kv-read-bench: N passed, M failed" and the exit status is 1 on any failure (a part that
 //! stops with an error counts as one failed check; the other parts still run).
 //! `--plant-failure` perturbs the first compared output, to show a miss fails the run;
-//! `--defines=TEXT` adds `#define` lines to every kernel configuration (the variants).
+//! `--defines=TEXT` adds `#define` lines to every kernel configuration (the variants);
+//! `--split-factor=F` times reads with F times the planned splits (a wave of blocks F times
+//! over), to see what the one-wave plan costs.
 //! - parity: random keys/values stored by the CPU cache's own codecs (bf16 rounding,
 //!   tessera-kv's affine quantizer), uploaded as stored, read on the GPU with left padding
 //!   and ragged lengths, compared with attention in f64 on the host over the same stored
@@ -13,7 +15,8 @@
 //!   f16/bf16 operands); the output is poisoned (NaN) first.
 //! - copy: device-to-device copy bandwidth (bytes read + written), the ceiling we report
 //!   against.
-//! - time: median µs per read (both launches) of every kernel variant a codec has, for
+//! - time: median µs per read (both launches) of every kernel variant a codec has, alone
+//!   and 10 back to back (the GPU's rate, the host's launch latency hidden), for
 //!   (q heads, kv heads, dim) = (4,1,256), (32,8,128), (64,8,128), batch 1 and 16,
 //!   4k/32k/128k positions, bf16, affine 4/64, 8/64 and 4/128; GB/s over the bytes of the
 //!   stored keys and values.
@@ -25,8 +28,9 @@ use anyhow::{bail, Result};
 use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaSlice};
 use candle_core::{Device, Tensor};
 use half::bf16;
-use tessera_kernels::cuda::{DecodeRead, GpuCodec, GpuPlanes, Variant};
+use tessera_kernels::cuda::{DecodeRead, GpuCodec, GpuPlanes, Plan, Variant};
 use tessera_kernels::tally::Tally;
+use tessera_kernels::BLOCK_STEP;
 use tessera_kv::planes::{AffinePlanes, Planes};
 
 /// Records `rel <= bound` (false for NaN), printing a miss.
@@ -443,6 +447,22 @@ fn timed<F: FnMut() -> Result<()>>(gpu: &DecodeRead, reps: usize, mut f: F) -> R
     Ok(times[reps / 2])
 }
 
+/// Median µs per call of `f` over `reps` samples of `burst` calls queued back to back.
+fn timed_burst<F: FnMut() -> Result<()>>(
+    gpu: &DecodeRead,
+    reps: usize,
+    burst: usize,
+    mut f: F,
+) -> Result<f64> {
+    timed(gpu, reps, || {
+        for _ in 0..burst {
+            f()?;
+        }
+        Ok(())
+    })
+    .map(|us| us / burst as f64)
+}
+
 fn copy_bandwidth(gpu: &DecodeRead) -> Result<f64> {
     let n = 1usize << 29; // 2 GiB of u32
     let src = gpu.stream.alloc_zeros::<u32>(n)?;
@@ -455,10 +475,20 @@ fn copy_bandwidth(gpu: &DecodeRead) -> Result<f64> {
 
 /// `filters`: every one must occur in a read's label ("affine:4:64 Folded (32,8,128) b16
 /// n32768") for it to be timed.
-fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
+fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String], split_factor: f64) -> Result<()> {
     println!(
-        "{:<14} {:<10} {:>12} {:>5} {:>7} {:>10} {:>8} {:>7}",
-        "codec", "kernel", "shape", "batch", "tokens", "µs", "GB/s", "%copy"
+        "{:<14} {:<10} {:>12} {:>5} {:>7} {:>10} {:>8} {:>7} {:>9} {:>7} {:>6}",
+        "codec",
+        "kernel",
+        "shape",
+        "batch",
+        "tokens",
+        "µs",
+        "GB/s",
+        "%copy",
+        "µs b2b",
+        "%copy",
+        "splits"
     );
     for codec in [
         GpuCodec::Bf16,
@@ -501,17 +531,24 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
                     let (qv, spans) = (qd.as_view(), vec![(0, n); b]);
                     let mut out = s.alloc_zeros::<f32>(b * qh * d)?;
                     for variant in chosen {
-                        let plan = gpu.plan(Some(variant), &planes[0], g, n)?;
+                        let plan = scaled_splits(
+                            gpu.plan(Some(variant), &planes[0], g, n)?,
+                            n,
+                            split_factor,
+                        );
                         let mut scratch = gpu.scratch(&plan, &planes[0], g)?;
                         let mut i = 0;
-                        let us = timed(gpu, 30, || {
+                        let mut read = || {
                             i += 1;
                             let p = &planes[i % copies];
                             gpu.decode(&plan, p, g, &qv, 1.0, &spans, None, &mut scratch, &mut out)
-                        })?;
+                        };
+                        let us = timed(gpu, 30, &mut read)?;
+                        let burst = timed_burst(gpu, 10, 10, &mut read)?;
                         let gbs = one as f64 / us / 1e3;
+                        let burst_gbs = one as f64 / burst / 1e3;
                         println!(
-                            "{:<14} {:<10} {:>12} {:>5} {:>7} {:>10.1} {:>8.0} {:>6.0}%",
+                            "{:<14} {:<10} {:>12} {:>5} {:>7} {:>10.1} {:>8.0} {:>6.0}% {:>9.1} {:>6.0}% {:>6}",
                             codec.name(),
                             format!("{variant:?}"),
                             format!("({qh},{kvh},{d})"),
@@ -519,7 +556,10 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
                             n,
                             us,
                             gbs,
-                            100.0 * gbs / copy
+                            100.0 * gbs / copy,
+                            burst,
+                            100.0 * burst_gbs / copy,
+                            plan.splits
                         );
                     }
                 }
@@ -529,16 +569,43 @@ fn time_reads(gpu: &DecodeRead, copy: f64, filters: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// `plan` with `factor` times its splits over `n` positions (chunks stay whole block steps).
+fn scaled_splits(plan: Plan, n: usize, factor: f64) -> Plan {
+    if factor == 1.0 {
+        return plan;
+    }
+    let want = ((plan.splits as f64 * factor).round() as usize).max(1);
+    let chunk = n.div_ceil(want).div_ceil(BLOCK_STEP).max(1) * BLOCK_STEP;
+    Plan {
+        splits: n.div_ceil(chunk),
+        chunk,
+        ..plan
+    }
+}
+
 fn main() {
     // Words name the parts to run; `+TEXT` arguments filter the timed reads by label.
     let mut plant = false;
     let mut defines = String::new();
+    let mut split_factor = 1.0f64;
     let all: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
             if let Some(d) = a.strip_prefix("--defines=") {
                 defines.push_str(d);
                 defines.push('\n');
+                return false;
+            }
+            if let Some(f) = a.strip_prefix("--split-factor=") {
+                match f.parse::<f64>() {
+                    Ok(f) if f > 0.0 => split_factor = f,
+                    _ => {
+                        eprintln!(
+                            "kv-read-bench: --split-factor wants a positive number, not {f:?}"
+                        );
+                        std::process::exit(2);
+                    }
+                }
                 return false;
             }
             let this = a == "--plant-failure";
@@ -593,7 +660,7 @@ fn main() {
     if want("copy") || want("time") {
         match copy_bandwidth(&gpu) {
             Ok(copy) if want("time") => {
-                let r = time_reads(&gpu, copy, &filters);
+                let r = time_reads(&gpu, copy, &filters, split_factor);
                 part("time", r, &mut tally);
             }
             Ok(_) => {}
