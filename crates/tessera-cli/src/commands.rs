@@ -345,6 +345,7 @@ pub fn generate(
         stops,
         drafter.as_deref_mut(),
         spec.draft_tokens,
+        !margs.no_steps_ahead,
         |t| {
             let piece = stream.push(&tok, t)?;
             out.write_all(piece.as_bytes())?;
@@ -373,8 +374,12 @@ pub fn generate(
         (Some(c), Some(st)) => format!(" | spec {}: {}", c.label(draft.as_ref()), st.summary()),
         _ => String::new(),
     };
+    let ahead_line = match outcome.steps_ahead {
+        0 => String::new(),
+        n => format!(" | {n} of the steps ran ahead"),
+    };
     eprintln!(
-        "[load {:.2} s | prompt {} tokens{cached}, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {} | kv {}{}]",
+        "[load {:.2} s | prompt {} tokens{cached}, {:.1} tok/s | generated {} tokens, {:.1} tok/s | stop: {} | kv {}{}{}]",
         load_time.as_secs_f64(),
         ids.len(),
         prefill_rate,
@@ -383,6 +388,7 @@ pub fn generate(
         reason,
         scheme,
         spec_line,
+        ahead_line,
     );
     if let Some(line) = step_graph_report(&model, margs) {
         eprintln!("[{line}]");
@@ -512,6 +518,7 @@ pub fn chat(
             stops.clone(),
             drafter.as_deref_mut(),
             spec.draft_tokens,
+            !margs.no_steps_ahead,
             |t| {
                 reply.push(t);
                 let piece = stream.push(&tok, t)?;

@@ -71,6 +71,11 @@ pub struct ModelArgs {
     /// mean times to stderr every 4096 calls (a diagnostic: it slows the run).
     #[arg(long)]
     pub kv_profile: bool,
+    /// On a GPU, wait for each greedy decode step's tokens before queueing the next,
+    /// instead of queueing it on the ids the device chose (`Batch::with_steps_ahead`, the
+    /// default on a GPU): to compare the two (the tokens must not change).
+    #[arg(long)]
+    pub no_steps_ahead: bool,
     /// Cap the CPU kernels' vector instruction level: `portable`, `avx2`, `avx512`,
     /// `avx512vnni` or `amx` (AVX-512 VNNI plus the AMX-INT8 tiles the OS grants; default:
     /// the highest this CPU runs), e.g. to measure what an AVX2-only CPU gets.
@@ -241,11 +246,6 @@ enum Command {
         /// (the prefill figure), then decoded as rows of one batch from the same context.
         #[arg(long, default_value_t = 1)]
         batch: usize,
-        /// Wait for each decode step's tokens before queueing the next, instead of queueing
-        /// it on the ids the device chose (`Batch::with_steps_ahead`, the default on a GPU):
-        /// to compare the two (the tokens digest must not change).
-        #[arg(long)]
-        no_steps_ahead: bool,
         #[command(flatten)]
         kv: KvArgs,
         /// Time to first token from this prompt cache (load, then prefill --suffix-tokens
@@ -320,10 +320,6 @@ enum Command {
         /// Require `Authorization: Bearer KEY` on /v1/*.
         #[arg(long)]
         api_key: Option<String>,
-        /// Wait for each decode step's tokens before queueing the next (on a GPU greedy
-        /// steps otherwise run one ahead of their tokens: `Batch::with_steps_ahead`).
-        #[arg(long)]
-        no_steps_ahead: bool,
     },
     /// Per-layer KV cache schemes: `auto` measures each layer's key and value sensitivity
     /// on a text and writes the `--kv-config` file of least KL for a budget of bits.
@@ -593,7 +589,6 @@ fn run(cli: Cli) -> Result<()> {
             depth,
             repeat,
             batch,
-            no_steps_ahead,
             kv,
             prompt_cache: None,
             json,
@@ -606,7 +601,7 @@ fn run(cli: Cli) -> Result<()> {
                 depth,
                 repeat,
                 batch,
-                steps_ahead: !no_steps_ahead,
+                steps_ahead: !model.no_steps_ahead,
             },
             &kv,
             json,
@@ -624,7 +619,6 @@ fn run(cli: Cli) -> Result<()> {
             prefill_chunk,
             api_key,
             spec,
-            no_steps_ahead,
         } => commands::serve(
             &model,
             &kv,
@@ -639,7 +633,7 @@ fn run(cli: Cli) -> Result<()> {
                 prefill_chunk,
                 api_key,
                 spec,
-                steps_ahead: !no_steps_ahead,
+                steps_ahead: !model.no_steps_ahead,
             },
         ),
         Command::Cache {

@@ -172,10 +172,14 @@ pub struct Outcome {
     pub reason: Option<StopReason>,
     pub stop_token: Option<u32>,
     pub spec: Option<SpecStats>,
+    /// Decode steps queued before their previous step's tokens were taken.
+    pub steps_ahead: usize,
 }
 
 /// Feeds `prompt` into `session` and generates up to `max_tokens`, plainly or with
 /// `drafter` (drafting up to `max_draft` tokens a round); each token goes to `emit`.
+/// `steps_ahead` false: a plain generation waits for each step's tokens before queueing the
+/// next (it otherwise runs ahead where its device allows: `Batch::with_steps_ahead`).
 #[allow(clippy::too_many_arguments)]
 pub fn run<'d>(
     session: &mut Session,
@@ -185,11 +189,15 @@ pub fn run<'d>(
     stops: Vec<u32>,
     drafter: Option<&mut (dyn Drafter + 'd)>,
     max_draft: usize,
+    steps_ahead: bool,
     mut emit: impl FnMut(u32) -> Result<()>,
 ) -> Result<Outcome> {
     match drafter {
         None => {
             let mut gen = Generation::new(session, prompt, sampler, max_tokens, stops)?;
+            if !steps_ahead {
+                gen.set_steps_ahead(false);
+            }
             for t in gen.by_ref() {
                 emit(t?)?;
             }
@@ -197,6 +205,7 @@ pub fn run<'d>(
                 reason: gen.stop_reason(),
                 stop_token: gen.stop_token(),
                 spec: None,
+                steps_ahead: gen.steps_ahead(),
             })
         }
         Some(d) => {
@@ -209,6 +218,7 @@ pub fn run<'d>(
                 reason: gen.stop_reason(),
                 stop_token: gen.stop_token(),
                 spec: Some(gen.stats().clone()),
+                steps_ahead: 0,
             })
         }
     }
@@ -263,6 +273,7 @@ pub fn bench(
                     Vec::new(),
                     drafter,
                     spec.draft_tokens,
+                    !margs.no_steps_ahead,
                     |t| {
                         out.push(t);
                         first.get_or_insert_with(std::time::Instant::now);

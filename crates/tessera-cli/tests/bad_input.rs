@@ -208,6 +208,21 @@ fn generate_streams_text_and_reports_timing() {
         "generated text"
     );
     assert!(err.contains("generated 8 tokens"), "{err}");
+    // Waiting for each step's tokens (the GPU's default is to run ahead) decodes the same.
+    let (code, waited, err) = tessera(&[
+        "generate",
+        "--model",
+        model().to_str().unwrap(),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--no-steps-ahead",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(waited, out, "generated text with --no-steps-ahead");
 }
 
 #[test]
