@@ -185,18 +185,24 @@ fn uncached_greedy(prompt: &str, n: usize) -> (Vec<u32>, tessera_models::Tokeniz
 
 #[test]
 fn generate_streams_text_and_reports_timing() {
-    let (code, out, err) = tessera(&[
-        "generate",
-        "--model",
-        model().to_str().unwrap(),
-        "--prompt",
-        "The capital of France is",
-        "--max-tokens",
-        "8",
-        // Sampling is on by default (llama.cpp's settings); the pinned tokens are greedy.
-        "--temperature",
-        "0",
-    ]);
+    let model = model();
+    let generate = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            // Sampling is on by default (llama.cpp's settings); the pinned tokens are greedy.
+            "--temperature",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        tessera(&args)
+    };
+    let (code, out, err) = generate(&[]);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("tok/s"), "{err}");
     let (reference, tok) = uncached_greedy("The capital of France is", 8);
@@ -209,18 +215,7 @@ fn generate_streams_text_and_reports_timing() {
     );
     assert!(err.contains("generated 8 tokens"), "{err}");
     // Waiting for each step's tokens (the GPU's default is to run ahead) decodes the same.
-    let (code, waited, err) = tessera(&[
-        "generate",
-        "--model",
-        model().to_str().unwrap(),
-        "--prompt",
-        "The capital of France is",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--no-steps-ahead",
-    ]);
+    let (code, waited, err) = generate(&["--no-steps-ahead"]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(waited, out, "generated text with --no-steps-ahead");
 }
