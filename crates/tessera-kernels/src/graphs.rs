@@ -6,6 +6,7 @@
 
 use crate::greedy::Greedy;
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Device, Result, Tensor};
 use std::sync::{Arc, Mutex};
 use tessera_models::step_graph::{DeviceGraph, GraphBackend, HostIds};
@@ -17,8 +18,22 @@ pub fn install() {
 
 #[derive(Default)]
 struct CudaGraphs {
-    /// The greedy-token kernels, built on first use for the first CUDA device seen.
+    /// The greedy-token kernels, built for the first CUDA device a model loads on (or, at
+    /// the latest, on first use).
     greedy: Mutex<Option<Arc<Greedy>>>,
+}
+
+impl CudaGraphs {
+    /// The greedy kernels for `device`, compiled on the first call; `None` for a second
+    /// device (they serve one).
+    fn greedy(&self, device: &CudaDevice) -> Result<Option<Arc<Greedy>>> {
+        let mut slot = self.greedy.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(match slot.as_ref() {
+            Some(g) if g.serves(device) => Some(g.clone()),
+            Some(_) => None,
+            None => Some(slot.insert(Greedy::new(device)?).clone()),
+        })
+    }
 }
 
 fn stream(device: &Device) -> Result<Arc<CudaStream>> {
@@ -58,15 +73,19 @@ impl GraphBackend for CudaGraphs {
         let Device::Cuda(device) = logits.device() else {
             return Ok(None);
         };
-        let greedy = {
-            let mut slot = self.greedy.lock().unwrap_or_else(|e| e.into_inner());
-            match slot.as_ref() {
-                Some(g) if g.serves(device) => g.clone(),
-                Some(_) => return Ok(None),
-                None => slot.insert(Greedy::new(device)?).clone(),
-            }
+        let Some(greedy) = self.greedy(device)? else {
+            return Ok(None);
         };
         greedy.ids(logits).map(Some)
+    }
+
+    fn prepare(&self, device: &Device) -> Result<()> {
+        // NVRTC and the driver's JIT took tens of milliseconds here; on the first decode step
+        // that stalled the step (and showed in `generate`'s decode rate).
+        match device {
+            Device::Cuda(d) => self.greedy(d).map(|_| ()),
+            _ => Ok(()),
+        }
     }
 
     fn end(&self, device: &Device) -> Result<Box<dyn DeviceGraph>> {

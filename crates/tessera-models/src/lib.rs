@@ -154,6 +154,7 @@ impl Model {
         };
         let model = Model::Decoder(decoder::Decoder::load(&mut gguf, kind, options, device)?);
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
+        step_graph::prepare(device)?;
         Ok((model, tokenizer))
     }
 

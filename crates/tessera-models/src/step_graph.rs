@@ -46,6 +46,13 @@ pub trait GraphBackend: Send + Sync {
         let _ = logits;
         Ok(None)
     }
+    /// Builds ahead what the first decode step on `device` would otherwise build (kernels
+    /// compiled at run time), so that no step waits on a compiler. Called once a model is
+    /// loaded there.
+    fn prepare(&self, device: &Device) -> Result<()> {
+        let _ = device;
+        Ok(())
+    }
 }
 
 /// Token ids on their way from the device to the host ([`GraphBackend::greedy_ids`]).
@@ -73,6 +80,11 @@ pub(crate) fn backend(device: &Device) -> Option<&'static dyn GraphBackend> {
         .get()
         .map(|b| b.as_ref())
         .filter(|b| b.serves(device))
+}
+
+/// [`GraphBackend::prepare`] of the installed backend, where it serves `device`.
+pub(crate) fn prepare(device: &Device) -> Result<()> {
+    backend(device).map_or(Ok(()), |b| b.prepare(device))
 }
 
 /// What a captured part hands on: tensors that must outlive the graph's own memory.

@@ -5,7 +5,8 @@
 //! three, whose q and k are strided views); a backend that refuses every capture must leave every step exactly as
 //! eager and be asked once per row count (so must one whose captures cannot begin); a
 //! replay launches every graph of the step; every capture begins with the backend's upload
-//! cache on.
+//! cache on; a model loaded on a device the backend serves has it prepare that device once
+//! (the CUDA backend compiles its greedy kernels there, not in the first step).
 //! The GPU's replays are checked against eager steps by `tessera bench --graph-probe`.
 
 use candle_core::{Device, Result};
@@ -28,6 +29,7 @@ struct Counts {
     caching: Arc<AtomicUsize>,
     uncached_begins: AtomicUsize,
     launches: Arc<AtomicUsize>,
+    prepares: AtomicUsize,
 }
 
 struct StandIn(Arc<Counts>);
@@ -75,6 +77,14 @@ impl GraphBackend for StandIn {
         }
         Ok(Box::new(Counted(self.0.launches.clone())))
     }
+    fn prepare(&self, device: &Device) -> Result<()> {
+        assert!(
+            device.is_cpu(),
+            "prepared a device the stand-in does not serve"
+        );
+        self.0.prepares.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
 }
 
 /// `steps` decode steps after a prefill of `prompt`, on a fresh cache: each step's logits.
@@ -97,7 +107,22 @@ fn graph_path_computes_the_eager_step_and_falls_back_on_a_refused_capture() {
     // Llama: one RoPE table; Gemma 3: two (sliding and global layers) and post-norms.
     for arch in ["llama", "gemma3"] {
         let path = tiny(&dir.0, arch);
+        // Prepared once a model loads on a device the backend serves, and only then.
+        counts.serving.store(false, Ordering::SeqCst);
+        let prepared = counts.prepares.load(Ordering::SeqCst);
+        drop(Model::load(&path, &LoadOptions::default(), &Device::Cpu).unwrap());
+        assert_eq!(
+            counts.prepares.load(Ordering::SeqCst),
+            prepared,
+            "{arch}: not served"
+        );
+        counts.serving.store(true, Ordering::SeqCst);
         let (model, _) = Model::load(&path, &LoadOptions::default(), &Device::Cpu).unwrap();
+        assert_eq!(
+            counts.prepares.load(Ordering::SeqCst),
+            prepared + 1,
+            "{arch}: served"
+        );
         let Model::Decoder(d) = &model;
         let parts = d.config().layers + 1;
         let prompt: Vec<u32> = (0..20).map(|i| 300 + 7 * i).collect();
