@@ -68,6 +68,9 @@
 #   realeval  eval (decode regime) of the staged file, --device cpu vs cuda
 #   reads   kv-read-bench parity and time (our decode read; READS_FILTER: +TEXT filters) and
 #           torch SDPA
+#   firstrun  a fresh process's one-time GPU work (tiny synthetic Llama, generate): the driver's
+#           JIT cache empty, filled and off (CUDA_CACHE_PATH / CUDA_CACHE_DISABLE); bench's
+#           steady step beside it (FIRSTRUN_PROMPT: the prompt)
 #   variants  decode-read kernel variants at 32k tokens, then the folded ones again under each
 #           VARIANT_DEFINES entry (NAME:VALUE, a #define)
 # Any failing command fails the run (set -e, and pipefail through the `| tee` logs): a parity
@@ -366,6 +369,20 @@ for _ in range(600):
         echo "-- --defines=#define ${defs//:/ }" | tee -a $OUT/variants.txt
         $B/kv-read-bench time +Folded +n32768 "--defines=#define ${defs//:/ }" 2>&1 | tee -a $OUT/variants.txt
       done ;;
+    firstrun)
+      # A fresh process's one-time GPU work: the driver's JIT of our PTX with its disk cache
+      # empty, filled, and off, then `tessera bench` for the steady step.
+      log firstrun; m=/tmp/llama-tiny-256.gguf
+      [ -f $m ] || $T model synth --arch llama --preset tiny-256 --dtype q4_0 --out $m > /dev/null
+      rm -rf /tmp/firstrun-jit
+      for cache in empty filled filled off; do
+        gen() { $T generate --model $m --device cuda --kv affine:4 --temperature 0 --max-tokens 128 \
+          --prompt "${FIRSTRUN_PROMPT:-The first run of a process on a machine}" 2>&1 >/dev/null | tail -1; }
+        if [ $cache = off ]; then r=$(CUDA_CACHE_DISABLE=1 gen); else r=$(CUDA_CACHE_PATH=/tmp/firstrun-jit gen); fi
+        echo "-- JIT cache $cache: $r"
+      done 2>&1 | tee $OUT/firstrun.txt
+      $T bench --model $m --device cuda --kv affine:4 --prompt-tokens 512 --gen-tokens 128 --repeat 1 \
+        2>&1 | grep -E '^(prefill|decode)' | tee -a $OUT/firstrun.txt ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
