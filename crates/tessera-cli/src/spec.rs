@@ -195,9 +195,7 @@ pub fn run<'d>(
     match drafter {
         None => {
             let mut gen = Generation::new(session, prompt, sampler, max_tokens, stops)?;
-            if !steps_ahead {
-                gen.set_steps_ahead(false);
-            }
+            gen.allow_steps_ahead(steps_ahead);
             for t in gen.by_ref() {
                 emit(t?)?;
             }

@@ -365,8 +365,13 @@ impl<'m> Batch<'m> {
     /// [`Batch::with_steps_ahead`] where `allowed`, else off: a caller's switch that leaves
     /// the default (by device) in place unless it turns steps ahead off.
     pub fn allowing_steps_ahead(mut self, allowed: bool) -> Self {
-        self.steps_ahead &= allowed;
+        self.allow_steps_ahead(allowed);
         self
+    }
+
+    /// [`Batch::allowing_steps_ahead`] on a batch already made.
+    pub fn allow_steps_ahead(&mut self, allowed: bool) {
+        self.steps_ahead &= allowed;
     }
 
     /// [`Batch::with_steps_ahead`] on a batch already running: a step still ahead keeps

@@ -126,6 +126,12 @@ impl<'s, 'm> Generation<'s, 'm> {
         self.batch.set_steps_ahead(on);
     }
 
+    /// Steps ahead where `allowed` and the default (by device) has them, else off
+    /// ([`Batch::allow_steps_ahead`]): a caller's switch that can only turn them off.
+    pub fn allow_steps_ahead(&mut self, allowed: bool) {
+        self.batch.allow_steps_ahead(allowed);
+    }
+
     /// The decode steps that ran ahead of their tokens so far.
     pub fn steps_ahead(&self) -> usize {
         self.batch.times().steps_ahead
