@@ -70,7 +70,8 @@
 #           torch SDPA
 #   firstrun  a fresh process's one-time GPU work (tiny synthetic Llama, generate): the driver's
 #           JIT cache empty, filled and off (CUDA_CACHE_PATH / CUDA_CACHE_DISABLE); bench's
-#           steady step beside it (FIRSTRUN_PROMPT: the prompt)
+#           steady step beside it, NVRTC's time per source (FIRSTRUN_PROMPT_FILE or
+#           FIRSTRUN_PROMPT: the prompt; FIRSTRUN_BINS, FIRSTRUN_ROUNDS: binaries alternated)
 #   variants  decode-read kernel variants at 32k tokens, then the folded ones again under each
 #           VARIANT_DEFINES entry (NAME:VALUE, a #define)
 # Any failing command fails the run (set -e, and pipefail through the `| tee` logs): a parity
@@ -371,18 +372,34 @@ for _ in range(600):
       done ;;
     firstrun)
       # A fresh process's one-time GPU work: the driver's JIT of our PTX with its disk cache
-      # empty, filled, and off, then `tessera bench` for the steady step.
+      # empty, filled, and off, then NVRTC's time per source on this host's CPU, then
+      # `tessera bench` for the steady step. The prompt: FIRSTRUN_PROMPT_FILE (a file), else
+      # FIRSTRUN_PROMPT.
       log firstrun; m=/tmp/llama-tiny-256.gguf
       [ -f $m ] || $T model synth --arch llama --preset tiny-256 --dtype q4_0 --out $m > /dev/null
-      rm -rf /tmp/firstrun-jit
-      for cache in empty filled filled off; do
-        gen() { $T generate --model $m --device cuda --kv affine:4 --temperature 0 --max-tokens 128 \
-          --prompt "${FIRSTRUN_PROMPT:-The first run of a process on a machine}" 2>&1 >/dev/null | tail -1; }
-        if [ $cache = off ]; then r=$(CUDA_CACHE_DISABLE=1 gen); else r=$(CUDA_CACHE_PATH=/tmp/firstrun-jit gen); fi
-        echo "-- JIT cache $cache: $r"
+      if [ -n "${FIRSTRUN_PROMPT_FILE:-}" ]; then prompt=(--prompt-file "$FIRSTRUN_PROMPT_FILE")
+      else prompt=(--prompt "${FIRSTRUN_PROMPT:-The first run of a process on a machine}"); fi
+      # FIRSTRUN_BINS: the carried binaries to compare (each with a JIT cache of its own),
+      # alternated over FIRSTRUN_ROUNDS rounds.
+      for round in $(seq ${FIRSTRUN_ROUNDS:-1}); do
+        for bin in ${FIRSTRUN_BINS:-tessera}; do
+          jit=/tmp/firstrun-jit-$bin-$round; rm -rf $jit
+          for cache in empty filled filled off; do
+            gen() { $B/$bin generate --model $m --device cuda --kv affine:4 --temperature 0 --max-tokens 128 \
+                "${prompt[@]}" 2>/tmp/firstrun.err >/tmp/firstrun.out
+              echo "$(tail -2 /tmp/firstrun.err | tr '\n' ' ')text md5 $(md5sum < /tmp/firstrun.out | cut -c1-12)"; }
+            if [ $cache = off ]; then r=$(CUDA_CACHE_DISABLE=1 gen); else r=$(CUDA_CACHE_PATH=$jit gen); fi
+            echo "-- round $round $bin, JIT cache $cache: $r"
+          done
+          du -sh $jit
+        done
       done 2>&1 | tee $OUT/firstrun.txt
-      $T bench --model $m --device cuda --kv affine:4 --prompt-tokens 512 --gen-tokens 128 --repeat 1 \
-        2>&1 | grep -E '^(prefill|decode)' | tee -a $OUT/firstrun.txt ;;
+      $B/kernels-compile --quick --times 2>&1 | grep -E "^(planes|weights|greedy|decode.cu (bf16|affine:4:64|turbo:4:4) |kernels)" \
+        | tee -a $OUT/firstrun.txt
+      for bin in ${FIRSTRUN_BINS:-tessera}; do
+        $B/$bin bench --model $m --device cuda --kv affine:4 --prompt-tokens 512 --gen-tokens 128 --repeat 1 \
+          2>&1 | grep -E '^(prefill|decode)' | sed "s/^/$bin: /"
+      done | tee -a $OUT/firstrun.txt ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -281,6 +281,23 @@ fn stop_words(
 
 #[allow(clippy::too_many_arguments)]
 /// What `--check-step-graphs` found, as a line, where the flag is on.
+/// What compiling our CUDA kernels cost this process. A fresh machine's first run spends
+/// seconds there; the driver's disk cache spares later ones.
+pub fn kernel_compile_report() -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        let t = tessera_kernels::compile::compile_time();
+        (!t.is_zero()).then(|| {
+            format!(
+                "CUDA kernels compiled and loaded in {:.2} s",
+                t.as_secs_f64()
+            )
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    None
+}
+
 pub fn step_graph_report(model: &Model, margs: &ModelArgs) -> Option<String> {
     margs.check_step_graphs.then(|| {
         let c = model.step_graph_checks();
@@ -391,6 +408,9 @@ pub fn generate(
         ahead_line,
     );
     if let Some(line) = step_graph_report(&model, margs) {
+        eprintln!("[{line}]");
+    }
+    if let Some(line) = kernel_compile_report() {
         eprintln!("[{line}]");
     }
     Ok(())

@@ -9,7 +9,7 @@
 //! keys and values of one width. Other codecs get an error naming them when the cache is
 //! first used on the device.
 
-use crate::cuda::{compile_source, DecodeRead, GpuCodec, GpuPlanes, Plan, Scratch, TurboDevice};
+use crate::cuda::{DecodeRead, GpuCodec, GpuPlanes, Plan, Scratch, TurboDevice};
 use crate::dependent::DependentLaunch;
 use crate::PLANES_CU;
 use anyhow::{anyhow, Context};
@@ -148,7 +148,7 @@ impl CudaBackend {
         }
         let stream = device.cuda_stream();
         keep_pool_memory(stream.context()).context("configuring the memory pool")?;
-        let module = compile_source(stream.context(), PLANES_CU).context("planes.cu")?;
+        let module = crate::compile::load(stream.context(), PLANES_CU).context("planes.cu")?;
         let k = Arc::new(Kernels {
             device: device.clone(),
             read: DecodeRead::with_stream(stream)?,

@@ -256,7 +256,7 @@ pub struct DecodeRead {
 }
 
 fn compile(ctx: &Arc<CudaContext>, defines: &str) -> Result<Arc<cudarc::driver::CudaModule>> {
-    compile_source(ctx, &format!("{defines}\n{DECODE_CU}"))
+    crate::compile::load(ctx, &format!("{defines}\n{DECODE_CU}"))
 }
 
 /// decode.cu as compiled for reads of `codec` rows of `d` elements by `g` query heads per
@@ -266,30 +266,6 @@ pub fn decode_source(codec: GpuCodec, d: usize, g: usize, extra: &str) -> String
         "{}\n#define D {d}\n#define G {g}\n{extra}\n{DECODE_CU}",
         codec.defines()
     )
-}
-
-/// `src` compiled by NVRTC for the H200 (sm_90). Needs no device: kernels-compile runs it
-/// on a machine without one.
-pub fn compile_ptx(src: &str) -> Result<cudarc::nvrtc::Ptx> {
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some("sm_90"),
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| match e {
-        // The compiler's own log, lines as it wrote them.
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-            anyhow::anyhow!("NVRTC:\n{}", log.to_string_lossy())
-        }
-        e => anyhow::anyhow!("NVRTC: {e:?}"),
-    })
-}
-
-/// NVRTC for the H200 (sm_90), loaded into `ctx`.
-pub(crate) fn compile_source(
-    ctx: &Arc<CudaContext>,
-    src: &str,
-) -> Result<Arc<cudarc::driver::CudaModule>> {
-    Ok(ctx.load_module(compile_ptx(src)?)?)
 }
 
 impl DecodeRead {
@@ -338,7 +314,8 @@ impl DecodeRead {
         if let Some(k) = map.get(&(codec, d, g)) {
             return Ok(k.clone());
         }
-        let module = compile_source(&self.ctx, &decode_source(codec, d, g, &self.extra_defines))?;
+        let module =
+            crate::compile::load(&self.ctx, &decode_source(codec, d, g, &self.extra_defines))?;
         // The tensor-core kernel gives each lane d/4 elements of a key row and d/8 of a
         // value row, which must lie in one affine group.
         // For bf16 rows of 256 the tensor-core kernel's registers (two tiles of 16 rows

@@ -6,7 +6,6 @@
 //!
 //! [`GraphBackend::greedy_ids`]: tessera_models::step_graph::GraphBackend::greedy_ids
 
-use crate::cuda::compile_source;
 use crate::GREEDY_CU;
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -36,7 +35,8 @@ pub(crate) struct Greedy {
 
 impl Greedy {
     pub(crate) fn new(device: &CudaDevice) -> Result<Arc<Self>> {
-        let module = compile_source(device.cuda_stream().context(), GREEDY_CU).map_err(error)?;
+        let module =
+            crate::compile::load(device.cuda_stream().context(), GREEDY_CU).map_err(error)?;
         Ok(Arc::new(Greedy {
             device: device.clone(),
             chunks: module.load_function("greedy_chunks").map_err(error)?,

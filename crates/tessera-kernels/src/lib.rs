@@ -105,6 +105,8 @@ pub fn plan_splits(
 #[cfg(feature = "cuda")]
 pub mod backend;
 #[cfg(feature = "cuda")]
+pub mod compile;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
 mod dependent;

@@ -7,7 +7,6 @@
 //! Everything runs on candle's stream for the device. Other weight types, and Q4_0 matrices
 //! whose shape the layout does not take, stay with candle's quantized matmuls.
 
-use crate::cuda::compile_source;
 use crate::dependent::DependentLaunch;
 use crate::{q4_0_planes, Q4_0_OCTET, Q4_0_ROWS, WEIGHTS_CU};
 use anyhow::{anyhow, bail, Context};
@@ -256,7 +255,7 @@ impl CudaWeights {
         }
         let source = format!("{}\n{WEIGHTS_CU}", self.defines);
         let module =
-            compile_source(device.cuda_stream().context(), &source).context("weights.cu")?;
+            crate::compile::load(device.cuda_stream().context(), &source).context("weights.cu")?;
         let mma = MmaShape::all()
             .iter()
             .flat_map(|shape| N_TILES.map(|nt| shape.kernel_name(nt)))

@@ -6,13 +6,16 @@
 //! source that does not compile would first show there; CI runs this where the CUDA
 //! toolkit is installed.
 //!
-//! Usage: `kernels-compile [--quick]`; `--quick` compiles one head geometry per codec.
-//! Prints one line per failure and a count; exits 1 on any failure.
+//! Usage: `kernels-compile [--quick] [--times]`; `--quick` compiles one head geometry per
+//! codec. Prints one line per failure and a count; exits 1 on any failure. `--times`
+//! compiles one source at a time and prints each one's NVRTC time and output sizes.
 
 use anyhow::Context;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
-use tessera_kernels::cuda::{compile_ptx, decode_source, GpuCodec};
+use tessera_kernels::compile::compile;
+use tessera_kernels::cuda::decode_source;
+use tessera_kernels::cuda::GpuCodec;
 use tessera_kernels::{GREEDY_CU, PLANES_CU, WEIGHTS_CU};
 
 fn codecs() -> Vec<GpuCodec> {
@@ -31,13 +34,14 @@ fn codecs() -> Vec<GpuCodec> {
 }
 
 fn main() {
-    let mut quick = false;
+    let (mut quick, mut times) = (false, false);
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
             "--quick" => quick = true,
+            "--times" => times = true,
             _ => {
                 eprintln!(
-                    "kernels-compile: unknown argument {arg:?} (usage: kernels-compile [--quick])"
+                    "kernels-compile: unknown argument {arg:?} (usage: kernels-compile [--quick] [--times])"
                 );
                 std::process::exit(2);
             }
@@ -77,6 +81,9 @@ fn main() {
             ));
         }
     }
+    if times {
+        std::process::exit(time_each(&sources));
+    }
     let start = Instant::now();
     // Independent programs: one NVRTC compile per core at a time.
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -88,7 +95,7 @@ fn main() {
                     let mut failures = Vec::new();
                     while let Some((name, src)) = sources.get(next.fetch_add(1, Ordering::Relaxed))
                     {
-                        if let Err(e) = compile_ptx(src).with_context(|| name.clone()) {
+                        if let Err(e) = compile(src).with_context(|| name.clone()) {
                             failures.push(format!("{e:#}"));
                         }
                     }
@@ -115,4 +122,32 @@ fn main() {
     if failed > 0 || passed == 0 {
         std::process::exit(1);
     }
+}
+
+/// One source at a time: NVRTC's time and its output's sizes. Returns the exit status.
+fn time_each(sources: &[(String, String)]) -> i32 {
+    let (mut total, mut failed) = (0.0, 0);
+    for (name, src) in sources {
+        let start = Instant::now();
+        match compile(src) {
+            Ok(out) => {
+                let seconds = start.elapsed().as_secs_f64();
+                total += seconds;
+                let (ptx, cubin) = (out.ptx.len() / 1024, out.cubin.len() / 1024);
+                println!(
+                    "{name}: nvrtc {:.0} ms, ptx {ptx} KiB, cubin {cubin} KiB",
+                    seconds * 1e3
+                );
+            }
+            Err(e) => {
+                println!("FAIL {name}: {e:#}");
+                failed += 1;
+            }
+        }
+    }
+    println!(
+        "kernels-compile: {} sources, {failed} failed, nvrtc {total:.2} s one at a time",
+        sources.len()
+    );
+    i32::from(failed > 0)
 }
