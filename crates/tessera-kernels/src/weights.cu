@@ -53,6 +53,16 @@
 #ifndef PRIOR_L1
 #define PRIOR_L1 1
 #endif
+//   WIDE_8_BLOCKS  blocks an SM for the 8-warp, one-tile kernels of 2 or 4 n8 tiles (5+ input
+//              rows; weights.rs launches o and down so there): 2 caps them at 128 registers
+//              without spills, and o and down ran 1.1–2.4 µs faster each at 8–32 input rows
+//              on the H100 than as 2 tiles × 8 warps at one block; 0: MIN_WARPS / 8. The
+//              4-warp kernels at 4 blocks (MIN_WARPS 16 for them alone) lost at 16 rows.
+#ifndef WIDE_8_BLOCKS
+#define WIDE_8_BLOCKS 2
+#endif
+#define MIN_BLOCKS(NT, RT, W) \
+    (NT > 1 && RT == 1 && W == 8 && WIDE_8_BLOCKS > 0 ? WIDE_8_BLOCKS : MIN_WARPS / (W))
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -502,7 +512,7 @@ __device__ void q4_0_mma(const uint4* __restrict__ codes, const uint4* __restric
 // Kernels by n8 tiles (4, 8 or 16 input rows), 16-row tiles a block and warps a block
 // (weights.rs picks).
 #define MMA_KERNEL(NT, RT, W)                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * W, MIN_WARPS / W)                     \
+    extern "C" __global__ void __launch_bounds__(32 * W, MIN_BLOCKS(NT, RT, W))             \
         q4_0_mma_##NT##_##RT##_##W(                                                          \
         const uint4* codes, const uint4* scales, const uint4* frag, float* y, int m, int n,  \
         int k, int split, const float* cos, const float* sin, int rope_cols, int half) {     \

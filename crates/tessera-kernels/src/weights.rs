@@ -43,6 +43,39 @@ fn rows_per_launch(split: bool) -> usize {
         32
     }
 }
+/// The launch shapes the model takes, by the matrix's rows and the launch's n8 tiles
+/// ([`MmaShapes::MODEL`]; weights-bench's variants try others).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmaShapes {
+    /// Matrices of ≤ 4096 rows (an 8B's o and down, 256 tiles) at one n8 tile.
+    pub small: MmaShape,
+    /// The same at 2 or 4 n8 tiles (5+ input rows).
+    pub small_wide: MmaShape,
+    /// Larger matrices (q|k|v, gate|up, the output).
+    pub large: MmaShape,
+}
+
+impl MmaShapes {
+    /// At one n8 tile 2 tiles × 8 warps ran fastest for the small matrices, 1 × 4 elsewhere
+    /// (weights-bench on the H200, 1–16 input rows). At 2+ n8 tiles 1 × 8 at two blocks an SM
+    /// (weights.cu's WIDE_8_BLOCKS) beat it by 1.1–2.4 µs a launch (H100, 8–32 rows). Two
+    /// tiles a warp for the large ones lost at every row count, 1 to 32 (H100). NOTES.md.
+    pub const MODEL: MmaShapes = MmaShapes {
+        small: MmaShape { tiles: 2, warps: 8 },
+        small_wide: MmaShape { tiles: 1, warps: 8 },
+        large: MmaShape { tiles: 1, warps: 4 },
+    };
+
+    /// The shape of a launch of `nt` n8 tiles over an `n`-row matrix.
+    pub fn for_launch(&self, n: usize, nt: usize) -> MmaShape {
+        match (n <= 4096, nt > 1) {
+            (true, false) => self.small,
+            (true, true) => self.small_wide,
+            (false, _) => self.large,
+        }
+    }
+}
+
 /// n8 tiles for `rows` input rows: the kernels exist for 1, 2 and 4.
 fn n_tiles(rows: usize, split: bool) -> usize {
     let columns = if split { 2 * rows } else { rows };
@@ -64,26 +97,6 @@ impl MmaShape {
             .into_iter()
             .flat_map(|tiles| [4, 8].map(|warps| MmaShape { tiles, warps }))
             .collect()
-    }
-
-    /// The shape the model uses for matrices of few tiles (an 8B's o and down, 256 tiles):
-    /// 2 tiles × 8 warps ran fastest there, 1 × 4 elsewhere (weights-bench on the H200, 1–16
-    /// input rows, NOTES.md).
-    pub const SMALL: MmaShape = MmaShape { tiles: 2, warps: 8 };
-
-    /// The shape the model uses for larger matrices (q|k|v, gate|up, the output). Two tiles
-    /// a warp (2 × 4, 2 × 8) lost at every row count, 1 to 32 (H100, 2026-12-06, NOTES.md).
-    pub const LARGE: MmaShape = MmaShape { tiles: 1, warps: 4 };
-
-    /// The shape the model uses for an `n`-row matrix: `small` for those of ≤ 4096 rows,
-    /// `large` above ([`MmaShape::SMALL`] and [`MmaShape::LARGE`] unless a weights-bench
-    /// variant says otherwise).
-    pub fn for_matrix(n: usize, small: MmaShape, large: MmaShape) -> MmaShape {
-        if n <= 4096 {
-            small
-        } else {
-            large
-        }
     }
 
     fn kernel_name(&self, nt: usize) -> String {
@@ -145,9 +158,8 @@ struct Kernels {
     gemm_inputs: [CudaFunction; 4],
     /// [`CudaWeights`]'s `split_up_to`.
     split_up_to: usize,
-    /// [`CudaWeights`]'s `small_shape` and `large_shape`.
-    small_shape: MmaShape,
-    large_shape: MmaShape,
+    /// [`CudaWeights`]'s `shapes`.
+    shapes: MmaShapes,
     /// The B fragments' scratch, shared by every matrix: launches on one stream run in
     /// order, so a matmul's fragments are read before the next one writes them.
     fragments: Mutex<Option<CudaSlice<u32>>>,
@@ -192,10 +204,8 @@ pub struct CudaWeights {
     defines: String,
     /// Most input rows split into high parts and residuals ([`SPLIT_UP_TO`] for the model).
     split_up_to: usize,
-    /// The launch shapes of matrices of ≤ 4096 rows and of larger ones
-    /// ([`MmaShape::for_matrix`]).
-    small_shape: MmaShape,
-    large_shape: MmaShape,
+    /// The launch shapes ([`MmaShapes::MODEL`] for the model).
+    shapes: MmaShapes,
 }
 
 impl Default for CudaWeights {
@@ -213,22 +223,13 @@ impl CudaWeights {
             kernels: Mutex::new(None),
             defines: defines.to_string(),
             split_up_to,
-            small_shape: MmaShape::SMALL,
-            large_shape: MmaShape::LARGE,
+            shapes: MmaShapes::MODEL,
         }
     }
 
-    /// The same backend launching matrices of ≤ 4096 rows as `shape` (weights-bench's
-    /// variants).
-    pub fn with_small_shape(mut self, shape: MmaShape) -> Self {
-        self.small_shape = shape;
-        self
-    }
-
-    /// The same backend launching matrices of more than 4096 rows as `shape` (weights-bench's
-    /// variants).
-    pub fn with_large_shape(mut self, shape: MmaShape) -> Self {
-        self.large_shape = shape;
+    /// The same backend launching as `shapes` says (weights-bench's variants).
+    pub fn with_shapes(mut self, shapes: MmaShapes) -> Self {
+        self.shapes = shapes;
         self
     }
 
@@ -277,8 +278,7 @@ impl CudaWeights {
                 module.load_function("gemm_inputs_silu_gated")?,
             ],
             split_up_to: self.split_up_to,
-            small_shape: self.small_shape,
-            large_shape: self.large_shape,
+            shapes: self.shapes,
             fragments: Mutex::new(None),
         });
         *slot = Some(k.clone());
@@ -422,11 +422,12 @@ enum Source<'a> {
     SiluGated(Rows<'a>),
 }
 
-/// How a matmul runs: tensor-core launches from the codes, so shaped; or one bf16 GEMM over
-/// the dequantized matrix.
+/// How a matmul runs: tensor-core launches from the codes, each shaped as the backend's
+/// [`MmaShapes`] say for its n8 tiles or all as one given shape; or one bf16 GEMM over the
+/// dequantized matrix.
 #[derive(Clone, Copy, Debug)]
 enum Path {
-    Mma(MmaShape),
+    Mma(Option<MmaShape>),
     Gemm,
 }
 
@@ -454,7 +455,7 @@ impl Q4Matrix {
         &self,
         x: Rows<'_>,
         m: usize,
-        shape: MmaShape,
+        fixed: Option<MmaShape>,
         mut source: Source<'_>,
         rope: Option<&RopeRows<'_>>,
     ) -> anyhow::Result<CudaSlice<f32>> {
@@ -477,11 +478,6 @@ impl Q4Matrix {
         let frag = scratch
             .as_mut()
             .ok_or_else(|| anyhow!("no fragment scratch"))?;
-        let cfg = LaunchConfig {
-            grid_dim: ((self.n / Q4_0_ROWS).div_ceil(shape.tiles) as u32, 1, 1),
-            block_dim: ((32 * shape.warps) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let split_i = i32::from(split);
         for first in (0..m).step_by(per_launch) {
             let rows = (m - first).min(per_launch);
@@ -548,6 +544,12 @@ impl Q4Matrix {
                     unsafe { l.launch(&self.kernels.gated_inputs, inputs_cfg)? };
                 }
             }
+            let shape = fixed.unwrap_or_else(|| self.kernels.shapes.for_launch(self.n, nt));
+            let cfg = LaunchConfig {
+                grid_dim: ((self.n / Q4_0_ROWS).div_ceil(shape.tiles) as u32, 1, 1),
+                block_dim: ((32 * shape.warps) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let kernel = shape
                 .kernel_index(nt)
                 .and_then(|i| self.kernels.mma.get(i))
@@ -701,7 +703,7 @@ impl Q4Matrix {
         rope: Option<&RopeRows<'_>>,
     ) -> anyhow::Result<CudaSlice<f32>> {
         match path {
-            Path::Mma(shape) => self.mma(x, m, shape, source, rope),
+            Path::Mma(fixed) => self.mma(x, m, fixed, source, rope),
             Path::Gemm => self.gemm(x, m, source, rope),
         }
     }
@@ -711,17 +713,13 @@ impl Q4Matrix {
         if m >= GEMM_FROM {
             Path::Gemm
         } else {
-            Path::Mma(MmaShape::for_matrix(
-                self.n,
-                self.kernels.small_shape,
-                self.kernels.large_shape,
-            ))
+            Path::Mma(None)
         }
     }
 
     /// The input rows and the output's dims for `x` by `path`.
     fn path_shapes(&self, x: &Tensor, path: Path) -> candle_core::Result<(usize, Vec<usize>)> {
-        if let Path::Mma(shape) = path {
+        if let Path::Mma(Some(shape)) = path {
             if shape.kernel_index(1).is_none() {
                 candle_core::bail!("no tensor-core kernel is shaped {shape:?}");
             }
@@ -730,9 +728,9 @@ impl Q4Matrix {
     }
 
     /// `x · Wᵀ` on the tensor cores, whatever the row count, launched as `shape` says (the
-    /// model takes [`MmaShape::for_matrix`]).
+    /// model takes [`MmaShapes::for_launch`]).
     pub fn forward_mma(&self, x: &Tensor, shape: MmaShape) -> candle_core::Result<Tensor> {
-        self.forward_by(x, Path::Mma(shape))
+        self.forward_by(x, Path::Mma(Some(shape)))
     }
 
     /// `x · Wᵀ` by a bf16 GEMM over the dequantized matrix, whatever the row count.

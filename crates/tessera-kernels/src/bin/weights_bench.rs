@@ -16,7 +16,8 @@
 //!   launches (every block shape, and the model's choice), by our bf16 GEMM, and by candle,
 //!   and the GB/s the weights stream at; for 1, 8 and 16 rows, each kind of matrix alone.
 //! - variants: weights.cu's build choices (B_AHEAD, MIN_WARPS, any `#define`) and the host's
-//!   SPLIT_UP_TO and the launch shapes of small and large matrices (SMALL=1x4, LARGE=2x4),
+//!   SPLIT_UP_TO and the launch shapes of small and large matrices (SMALL=1x4, SMALL_WIDE=2x8
+//!   at 5+ rows, LARGE=2x4),
 //!   each `--variant=NAME=V,NAME=V`
 //!   (the flags replace the default list):
 //!   parity against the f64 reference on two shapes through the model's entry point (a miss
@@ -32,7 +33,7 @@ use std::borrow::Cow;
 use std::time::Instant;
 use tessera_kernels::tally::Tally;
 use tessera_kernels::weights::CudaWeights;
-use tessera_kernels::weights::{MmaShape, Q4Matrix, SPLIT_UP_TO};
+use tessera_kernels::weights::{MmaShape, MmaShapes, Q4Matrix, SPLIT_UP_TO};
 use tessera_models::device_weights::{DeviceMatrix, PairRope, WeightBackend};
 
 struct Rng(u64);
@@ -472,12 +473,12 @@ fn forward_shapes() -> Vec<(usize, usize)> {
 }
 
 /// `NAME=V,NAME=V` as a backend: SPLIT_UP_TO=N the host's split, SMALL=TxW the launch shape
-/// of matrices of ≤ 4096 rows, LARGE=TxW of larger ones, the rest `#define` lines.
+/// of matrices of ≤ 4096 rows at one n8 tile, SMALL_WIDE=TxW at more, LARGE=TxW of larger
+/// ones ([`MmaShapes`]), the rest `#define` lines.
 fn backend_of(variant: &str) -> Result<(CudaWeights, usize)> {
     let mut defines = String::new();
     let mut split = SPLIT_UP_TO;
-    let mut small = MmaShape::SMALL;
-    let mut large = MmaShape::LARGE;
+    let mut shapes = MmaShapes::MODEL;
     let shape = |name: &str, v: &str| -> Result<MmaShape> {
         let (tiles, warps) = v
             .split_once('x')
@@ -490,16 +491,15 @@ fn backend_of(variant: &str) -> Result<(CudaWeights, usize)> {
     for d in variant.split(',').filter(|d| !d.is_empty()) {
         match d.split_once('=') {
             Some(("SPLIT_UP_TO", v)) => split = v.parse()?,
-            Some(("SMALL", v)) => small = shape("SMALL", v)?,
-            Some(("LARGE", v)) => large = shape("LARGE", v)?,
+            Some(("SMALL", v)) => shapes.small = shape("SMALL", v)?,
+            Some(("SMALL_WIDE", v)) => shapes.small_wide = shape("SMALL_WIDE", v)?,
+            Some(("LARGE", v)) => shapes.large = shape("LARGE", v)?,
             Some((name, v)) => defines += &format!("#define {name} {v}\n"),
             None => return Err(anyhow!("variant {variant:?}: {d:?} is not NAME=VALUE")),
         }
     }
     Ok((
-        CudaWeights::with_choices(&defines, split)
-            .with_small_shape(small)
-            .with_large_shape(large),
+        CudaWeights::with_choices(&defines, split).with_shapes(shapes),
         split,
     ))
 }
