@@ -279,8 +279,6 @@ fn stop_words(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-/// What `--check-step-graphs` found, as a line, where the flag is on.
 /// What compiling our CUDA kernels cost this process. A fresh machine's first run spends
 /// seconds there; the driver's disk cache spares later ones.
 pub fn kernel_compile_report() -> Option<String> {
@@ -298,6 +296,7 @@ pub fn kernel_compile_report() -> Option<String> {
     None
 }
 
+/// What `--check-step-graphs` found, as a line, where the flag is on.
 pub fn step_graph_report(model: &Model, margs: &ModelArgs) -> Option<String> {
     margs.check_step_graphs.then(|| {
         let c = model.step_graph_checks();
@@ -312,6 +311,7 @@ pub fn step_graph_report(model: &Model, margs: &ModelArgs) -> Option<String> {
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn generate(
     margs: &ModelArgs,
     prompt: &str,

@@ -43,6 +43,7 @@ fn rows_per_launch(split: bool) -> usize {
         32
     }
 }
+
 /// The launch shapes the model takes, by the matrix's rows and the launch's n8 tiles
 /// ([`MmaShapes::MODEL`]; weights-bench's variants try others).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -14,8 +14,7 @@ use anyhow::Context;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 use tessera_kernels::compile::compile;
-use tessera_kernels::cuda::decode_source;
-use tessera_kernels::cuda::GpuCodec;
+use tessera_kernels::cuda::{decode_source, GpuCodec};
 use tessera_kernels::{GREEDY_CU, PLANES_CU, WEIGHTS_CU};
 
 fn codecs() -> Vec<GpuCodec> {
