@@ -91,6 +91,13 @@ impl ChunkGeometry {
         lo - first..q + 1 - first
     }
 
+    /// Whether query `i` of row `row` is padding (a left-padded row's position below its
+    /// prompt).
+    pub fn is_padding(&self, row: usize, i: usize) -> bool {
+        let RowSpan { pad, start, .. } = self.rows[row];
+        start + i < pad
+    }
+
     /// Whether every row's queries start at one position and slot = position (full
     /// retention with aligned rows): what a device's fused chunk kernel takes.
     pub fn aligned(&self) -> Option<usize> {

@@ -112,8 +112,23 @@ fn attend_block<S: TileSource>(
     }
     qb.chunks_exact_mut(d)
         .for_each(|row| source.prepare_query(r * geo.kv_heads + h, row));
-    let visible: Vec<Range<usize>> = (i0..i0 + len).map(|i| geo.visible(r, i)).collect();
-    let lo = visible.iter().map(|v| v.start).min().unwrap_or(0);
+    let visible: Vec<Range<usize>> = (i0..i0 + len)
+        .map(|i| match geo.is_padding(r, i) {
+            true => 0..0,
+            false => geo.visible(r, i),
+        })
+        .collect();
+    // Tiles start at the first slot a real query sees; a padding query (which sees only its
+    // own slot, and whose output is never used) is read after them. Tiles that began at
+    // its slot would put the row's masked padding into every real query's products, and
+    // the sums' order over slots (so their last bits, on some CPUs' matmul) would depend
+    // on how the row was padded rather than on its prompt.
+    let lo = visible
+        .iter()
+        .filter(|v| !v.is_empty())
+        .map(|v| v.start)
+        .min()
+        .unwrap_or(0);
     let hi = visible.iter().map(|v| v.end).max().unwrap_or(0);
     let block = r * geo.kv_heads + h;
     let mut kt = vec![0f32; KEY_TILE * d];
@@ -156,6 +171,16 @@ fn attend_block<S: TileSource>(
         }
         matmul(&mut acc, true, &scores, &vt, false, m, dv, t);
         t0 += t;
+    }
+    // A padding query's softmax over its one slot is 1: its output is that slot's value.
+    for qi in (0..len).filter(|&qi| geo.is_padding(r, i0 + qi)) {
+        let slot = geo.visible(r, i0 + qi).start;
+        source.values(block, slot..slot + 1, &mut vt[..dv]);
+        for hh in 0..g {
+            let row = hh * len + qi;
+            acc[row * dv..(row + 1) * dv].copy_from_slice(&vt[..dv]);
+            sum[row] = 1.0;
+        }
     }
     for row in 0..m {
         let inv = 1.0 / sum[row];
@@ -239,8 +264,15 @@ pub(crate) fn attend_source<S: TileSource>(
     let (g, dv) = (geo.group, geo.value_dim);
     let mut items = Vec::new();
     for r in 0..rows {
+        // A left-padded row's padding queries are one item, and its real queries are
+        // blocked from the first of them, as the same prompt read unpadded would be: a
+        // real query's products then have the same shapes (and bits) either way.
+        let padding = (0..n).take_while(|&i| geo.is_padding(r, i)).count();
         for h in 0..geo.kv_heads {
-            for i0 in (0..n).step_by(QUERY_BLOCK) {
+            if padding > 0 {
+                items.push((r, h, 0, padding));
+            }
+            for i0 in (padding..n).step_by(QUERY_BLOCK) {
                 items.push((r, h, i0, QUERY_BLOCK.min(n - i0)));
             }
         }
