@@ -351,16 +351,15 @@ struct Octet {
 #ifndef CODES_L1
 #define CODES_L1 2
 #endif
-__device__ __forceinline__ uint4 ld_codes(const uint4* p) {
 #if CODES_L1 == 1
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
+#define CODES_EVICTION "L1::no_allocate"
 #elif CODES_L1 == 2
+#define CODES_EVICTION "L1::evict_first"
+#endif
+__device__ __forceinline__ uint4 ld_codes(const uint4* p) {
+#ifdef CODES_EVICTION
     uint4 v;
-    asm("ld.global.nc.L1::evict_first.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm("ld.global.nc." CODES_EVICTION ".v4.u32 {%0,%1,%2,%3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
     return v;
