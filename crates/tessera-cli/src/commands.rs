@@ -205,6 +205,11 @@ fn open_session<'m>(
     let held = cached.tokens.first().map_or(0, Vec::len);
     let (session, reuse) = cached.resume(model, &scheme, ids, prefill_chunk)?;
     let why = match reuse.limited_by {
+        Some(ReuseLimit::Floor(tessera_kv::NEVER_REUSED)) => format!(
+            " (its quantized codec was fitted on a prompt shorter than {} tokens, which no other \
+             prompt's fresh cache would be)",
+            tessera_kv::FIRST_APPEND
+        ),
         Some(ReuseLimit::Floor(f)) => {
             format!(" (the shared prefix is below the cache's reuse floor of {f})")
         }
@@ -640,8 +645,14 @@ pub fn cache_info(file: &Path, json: bool) -> Result<()> {
     println!("rows:          {} (tokens {rows:?})", rows.len());
     println!(
         "reuse floor:   {}",
-        h.minimum_reusable_offset
-            .map_or("none".to_string(), |f| f.to_string())
+        match h.minimum_reusable_offset {
+            None => "none".to_string(),
+            Some(tessera_kv::NEVER_REUSED) => format!(
+                "never (a quantized codec fitted on a prompt shorter than {})",
+                tessera_kv::FIRST_APPEND
+            ),
+            Some(f) => f.to_string(),
+        }
     );
     for (signature, n) in layers {
         println!("layers:        {n} × {signature}");

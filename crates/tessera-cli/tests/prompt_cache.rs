@@ -76,25 +76,34 @@ fn info_json(file: &str) -> serde_json::Value {
     serde_json::from_str(&stdout).unwrap()
 }
 
+/// A document longer than a quantized cache's first append (`tessera_kv::FIRST_APPEND`,
+/// 512 tokens): the first chapters of the shared corpus's novel.
+fn long_document() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/corpus/pride-and-prejudice.txt");
+    let text = std::fs::read_to_string(&path).expect("../shared/corpus is readable");
+    let start = text.find("It is a truth universally").expect("the novel's first line");
+    text[start..start + 3200].to_string()
+}
+
+/// A cached prompt that another prompt extends is reused, and the greedy text is the cold
+/// run's whatever the chunk sizes (the cold run reads other chunks than the saved one).
 #[test]
 fn a_prompt_extending_the_cache_reuses_it_and_generates_the_cold_text() {
     let dir = Scratch::new("extend");
-    let question = format!("{DOCUMENT} Who is the single man?");
+    let document = long_document();
+    let question = format!("{document} Who is the single man?");
     for kv in ["bf16", "affine:4", "turbo:4"] {
-        let file = save(&dir, &format!("{}.tpc", kv.replace(':', "_")), kv, DOCUMENT);
+        let file = save(&dir, &format!("{}.tpc", kv.replace(':', "_")), kv, &document);
         let info = info_json(&file);
         let held = info["rows"][0].as_u64().unwrap() as usize;
-        assert!(held > 40, "{info}");
+        assert!(held > tessera_kv::FIRST_APPEND, "{info}");
         assert_eq!(info["architecture"], "gemma3");
         assert_eq!(info["layers"], 18);
         assert_eq!(
             info["bytes"].as_u64().unwrap(),
             std::fs::metadata(&file).unwrap().len()
         );
-        // The cached prompt was read as one chunk of `held` tokens; the cold run reads the
-        // same chunk first (--prefill-chunk held), so every matmul has the same shapes.
-        let chunk = held.to_string();
-        let run = |cache: Option<&str>| {
+        let run = |cache: Option<&str>, chunk: &str| {
             let mut args = vec![
                 "generate",
                 "--model",
@@ -106,7 +115,50 @@ fn a_prompt_extending_the_cache_reuses_it_and_generates_the_cold_text() {
                 "--temperature",
                 "0",
                 "--prefill-chunk",
-                &chunk,
+                chunk,
+            ]
+            .into_iter()
+            .map(String::from)
+            .collect::<Vec<_>>();
+            match cache {
+                Some(f) => args.extend(["--prompt-cache".into(), f.into()]),
+                None => args.extend(["--kv".into(), kv.into()]),
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let (code, out, err) = tessera(&args);
+            assert_eq!(code, 0, "{err}");
+            (out, err)
+        };
+        let (cold, _) = run(None, "100");
+        let (warm, err) = run(Some(&file), "512");
+        assert!(
+            err.contains(&format!("{held} tokens loaded"))
+                && err.contains(&format!("{held} of the prompt's")),
+            "{kv}: {err}"
+        );
+        assert!(
+            err.contains(&format!("({held} from the prompt cache)")),
+            "{err}"
+        );
+        assert_eq!(warm, cold, "{kv}: the greedy text");
+        assert!(!cold.trim().is_empty());
+    }
+}
+
+/// A quantized cache of a prompt shorter than the first append had its codec fitted on that
+/// whole prompt, which no longer prompt's cold run would be: it is not reused (and the
+/// line says why), so the text is still the cold run's. A bf16 one is.
+#[test]
+fn a_short_quantized_cache_is_not_reused() {
+    let dir = Scratch::new("short");
+    let question = format!("{DOCUMENT} Who is the single man?");
+    for (kv, reused) in [("affine:4", false), ("bf16", true)] {
+        let file = save(&dir, &format!("{}.tpc", kv.replace(':', "_")), kv, DOCUMENT);
+        let held = info_json(&file)["rows"][0].as_u64().unwrap() as usize;
+        let run = |cache: Option<&str>| {
+            let mut args = vec![
+                "generate", "--model", &model(), "--prompt", &question, "--max-tokens", "8",
+                "--temperature", "0",
             ]
             .into_iter()
             .map(String::from)
@@ -122,17 +174,15 @@ fn a_prompt_extending_the_cache_reuses_it_and_generates_the_cold_text() {
         };
         let (cold, _) = run(None);
         let (warm, err) = run(Some(&file));
-        assert!(
-            err.contains(&format!("{held} tokens loaded"))
-                && err.contains(&format!("{held} of the prompt's")),
-            "{kv}: {err}"
-        );
-        assert!(
-            err.contains(&format!("({held} from the prompt cache)")),
-            "{err}"
-        );
+        if reused {
+            assert!(err.contains(&format!("{held} of the prompt's")), "{kv}: {err}");
+        } else {
+            assert!(
+                err.contains("0 of the prompt's") && err.contains("fitted on a prompt shorter than 512"),
+                "{kv}: {err}"
+            );
+        }
         assert_eq!(warm, cold, "{kv}: the greedy text");
-        assert!(!cold.trim().is_empty());
     }
 }
 
@@ -306,7 +356,7 @@ fn eval_from_a_prompt_cache_matches_the_cold_decode_regime() {
 #[test]
 fn bench_times_the_first_token_from_the_cache_and_cold() {
     let dir = Scratch::new("bench");
-    let file = save(&dir, "doc.tpc", "turbo:4", DOCUMENT);
+    let file = save(&dir, "doc.tpc", "turbo:4", &long_document());
     let held = info_json(&file)["rows"][0].as_u64().unwrap();
     let (code, out, err) = tessera(&[
         "bench",

@@ -910,11 +910,12 @@ impl<'m> Batch<'m> {
             return Ok(());
         };
         let rest = p.request.prompt.len() - p.fed;
-        let mut len = p
-            .cache
-            .max_append_tokens()
-            .map_or(self.prefill_chunk, |m| m.min(self.prefill_chunk))
-            .min(rest);
+        let mut len = crate::session::chunk_len(&p.cache, self.prefill_chunk, rest);
+        // A checkpoint inside a transition's first append is not made: that row's codec
+        // would be fitted on fewer positions than any fresh row's.
+        if p.cache.first_append().is_some() && p.checkpoint.is_some_and(|c| c < len) {
+            p.checkpoint = None;
+        }
         if let Some(c) = p.checkpoint.filter(|&c| p.fed < c) {
             len = len.min(c - p.fed);
         }

@@ -190,13 +190,7 @@ impl<'m> Session<'m> {
         let mut last = Vec::new();
         let mut rest = tokens;
         while !rest.is_empty() {
-            // A chunk ends exactly where the bf16-first transition converts the cache, so the
-            // conversion (and the prefix-reuse floor) falls at quantized_kv_start.
-            let len = self
-                .cache
-                .max_append_tokens()
-                .map_or(self.prefill_chunk, |m| m.min(self.prefill_chunk))
-                .min(rest.len());
+            let len = chunk_len(&self.cache, self.prefill_chunk, rest.len());
             let (chunk, tail) = rest.split_at(len);
             last = self.forward(chunk, LogitsMode::Last)?;
             rest = tail;
@@ -236,6 +230,21 @@ impl<'m> Session<'m> {
         self.tokens.extend_from_slice(chunk);
         Ok(logits.squeeze(0)?.flatten_all()?.to_vec1()?)
     }
+}
+
+/// The next prefill chunk's length, `rest` tokens left to feed into `cache`: a cache's first
+/// append under `quantized_kv_start` 0 is the positions the transition fits each row's codec
+/// on, whatever the chunk size (so the codes, and every logit after, do not depend on it);
+/// other chunks end exactly where a transition converts, so the conversion (and the
+/// prefix-reuse floor) falls at `quantized_kv_start`.
+pub(crate) fn chunk_len(cache: &KvCache, prefill_chunk: usize, rest: usize) -> usize {
+    let len = match cache.first_append() {
+        Some(first) => first,
+        None => cache
+            .max_append_tokens()
+            .map_or(prefill_chunk, |m| m.min(prefill_chunk)),
+    };
+    len.min(rest)
 }
 
 /// Log-softmax of one row of logits, in f64 for stable sums.

@@ -226,8 +226,15 @@ impl KvCache {
             .min()
     }
 
-    /// The earliest prefix a saved copy may be reused from (the offset at which a nonzero
-    /// `quantized_kv_start` converted some layer).
+    /// The length the next append should have for the bf16-first transition to fit each
+    /// row's codec on the same positions however a prompt is chunked (at most: all of a
+    /// shorter prompt); `None`: any ([`LayerCache::first_append`]).
+    pub fn first_append(&self) -> Option<usize> {
+        self.layers.iter().filter_map(|l| l.first_append()).min()
+    }
+
+    /// The earliest prefix a saved copy may be reused from, over every layer and row
+    /// (where the bf16-first transition fitted their codecs; [`crate::NEVER_REUSED`]: none).
     pub fn minimum_reusable_offset(&self) -> Option<usize> {
         self.layers
             .iter()

@@ -3,7 +3,7 @@
 
 use crate::codec::prep::QueryMoments;
 use crate::planes::device::{host_planes, planes_on};
-use crate::planes::{ChunkGeometry, PlaneGeometry, Planes, PlanesRef, RowSlots, RowSpan};
+use crate::planes::{ChunkGeometry, PlaneGeometry, Planes, PlanesRef, RowSpan};
 use crate::read::mask_of;
 use crate::retention::Slots;
 use crate::rows::Rows;
@@ -135,7 +135,6 @@ pub struct LayerCache {
     /// number of positions it holds in bf16 first.
     pub(crate) target: Option<Codec>,
     pub(crate) start: usize,
-    pub(crate) minimum_reusable_offset: Option<usize>,
     /// Whether the first append has placed the storage (on a device, or the host).
     pub(crate) bound: bool,
     /// The vector instruction level the fused reads run at.
@@ -176,7 +175,6 @@ impl LayerCache {
             rows: Rows::new(left_pad),
             target,
             start: quantized_kv_start,
-            minimum_reusable_offset: None,
             bound: false,
             isa: Isa::detected(),
             queries: QueryMoments::default(),
@@ -202,10 +200,11 @@ impl LayerCache {
         self.slack
     }
 
-    /// The earliest prefix a saved copy of this cache may be reused from: the offset at
-    /// which a nonzero `quantized_kv_start` converted it.
+    /// The earliest prefix a saved copy of this cache may be reused from, over every row
+    /// (each row's is in [`Rows::reuse_floor`]): where the bf16-first transition fitted its
+    /// codec ([`crate::transition`]).
     pub fn minimum_reusable_offset(&self) -> Option<usize> {
-        self.minimum_reusable_offset
+        self.rows.reuse_floor().iter().flatten().max().copied()
     }
 
     /// Runs this layer's fused reads at `isa` (capped to what the CPU runs).
@@ -402,9 +401,7 @@ impl LayerCache {
         if n == 1 && matches!(visibility, Visibility::Causal) {
             self.store(k, v, &ends)?;
             let rows = (0..ends.len())
-                .map(|r| RowSlots {
-                    ranges: self.slots.visible_slots(ends[r], pads[r]),
-                })
+                .map(|r| self.slots.visible(ends[r], pads[r]))
                 .collect();
             self.rows.advance(1, self.slots.ring);
             let retired = self.convert_if_due()?;

@@ -40,6 +40,7 @@ pub use layer::{AttentionCache, DonorRows, LayerCache};
 pub use read::{exp_nonpositive, AttentionRead};
 pub use scheme::{Codec, KvScheme, LayerSpec, PlainDType, Retention, TurboPrep};
 pub use state::{CacheState, LayerState, STATE_VERSION};
+pub use transition::{FIRST_APPEND, NEVER_REUSED};
 
 /// The most slots a layer's planes may hold per row (a restored state claiming more is
 /// refused): far past any model's context.

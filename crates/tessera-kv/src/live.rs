@@ -6,7 +6,6 @@
 //! row's slot, the read, the slots advanced on the device), which reads nothing from the
 //! host, so the same launches replay correctly at every later step.
 
-use crate::planes::RowSlots;
 use crate::{KvCache, KvError, LayerCache};
 use candle_core::Tensor;
 use std::hash::{DefaultHasher, Hasher};
@@ -33,10 +32,7 @@ impl LayerCache {
         ends.iter()
             .zip(self.rows.left_pad())
             .map(|(&end, &pad)| {
-                let span = RowSlots {
-                    ranges: self.slots.visible_slots(end, pad),
-                }
-                .single_span()?;
+                let span = self.slots.visible(end, pad).single_span()?;
                 (span.end == end + 1).then_some((span.start, end))
             })
             .collect()

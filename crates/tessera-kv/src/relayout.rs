@@ -85,13 +85,17 @@ impl LayerCache {
             slots: model.slots,
             slack: model.slack,
             planes,
-            rows: Rows::from_parts(pads, ends, held),
+            rows: Rows::from_parts(
+                pads,
+                ends,
+                held,
+                sources
+                    .iter()
+                    .map(|&(src, r, _)| src.rows.reuse_floor()[r])
+                    .collect(),
+            ),
             target: model.target,
             start: model.start,
-            minimum_reusable_offset: sources
-                .iter()
-                .filter_map(|s| s.0.minimum_reusable_offset)
-                .max(),
             bound: sources.iter().any(|s| s.0.bound),
             isa: model.isa,
             queries: QueryMoments::gather(sources.iter().map(|(src, r, _)| (&src.queries, *r))),
@@ -148,16 +152,13 @@ impl LayerCache {
             let pad = other.rows.left_pad()[r] + shift;
             other.copy_row(r, pad, self.planes.as_mut(), self.slots, first + r)?;
             let (end, held) = other.placed(r, pad);
-            self.rows.push(pad, end, held);
+            self.rows.push(pad, end, held, other.rows.reuse_floor()[r]);
         }
         self.queries = QueryMoments::gather(
             (0..first)
                 .map(|r| (&self.queries, r))
                 .chain((0..added).map(|r| (&other.queries, r))),
         );
-        self.minimum_reusable_offset = self
-            .minimum_reusable_offset
-            .max(other.minimum_reusable_offset);
         self.bound |= other.bound;
         Ok(())
     }

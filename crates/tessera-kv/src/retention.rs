@@ -5,6 +5,7 @@
 //! most `size` positions back, and the `slack` extra slots keep the positions a speculative
 //! round of up to `slack + 1` positions overwrites, so rolling it back finds them still there.
 
+use crate::planes::RowSlots;
 use crate::Retention;
 use std::ops::Range;
 
@@ -86,6 +87,20 @@ impl Slots {
     pub fn first_visible(&self, end: usize, pad: usize) -> usize {
         let back = self.window.map_or(0, |w| (end + 1).saturating_sub(w));
         pad.max(back).min(end)
+    }
+
+    /// The slots the query at position `pos` of a row padded by `pad` sees, as at most two
+    /// ranges, with the row's own position of the first; a padding query sees only itself.
+    pub fn visible(&self, pos: usize, pad: usize) -> RowSlots {
+        let lo = if pos < pad {
+            pos
+        } else {
+            self.first_visible(pos, pad)
+        };
+        RowSlots {
+            ranges: self.visible_slots(pos, pad),
+            first_position: lo.saturating_sub(pad),
+        }
     }
 
     /// The slots the query at position `pos` of a row padded by `pad` sees, as at most two

@@ -5,8 +5,10 @@
 //! physical end `ends[r]`, where its next append is written. It holds `ends[r] − left_pad[r]`
 //! real positions: its next token's RoPE position. Rows have their own ends (a speculative
 //! rollback keeps a different count per row); the width of the batch is the largest end. `held_from[r]` is the oldest position row `r`
-//! still stores (a ring evicts; a rollback does not bring evicted positions back). Rows
-//! never encode or decode keys and values.
+//! still stores (a ring evicts; a rollback does not bring evicted positions back).
+//! `reuse_floor[r]` is the fewest real positions row `r` may be cut back to and still be
+//! continued with the numbers a fresh row would get (the bf16-first transition fitted its
+//! codec on them; `None`: any). Rows never encode or decode keys and values.
 
 use crate::KvError;
 
@@ -15,6 +17,7 @@ pub struct Rows {
     left_pad: Vec<usize>,
     ends: Vec<usize>,
     held_from: Vec<usize>,
+    reuse_floor: Vec<Option<usize>>,
     /// Each row's end when the open speculative round began.
     round: Option<Vec<usize>>,
 }
@@ -26,22 +29,34 @@ impl Rows {
             held_from: left_pad.clone(),
             left_pad,
             ends: vec![0; rows],
+            reuse_floor: vec![None; rows],
             round: None,
         }
     }
 
-    /// Rows with the given padding, ends and oldest held positions.
+    /// Rows with the given padding, ends, oldest held positions and reuse floors.
     pub(crate) fn from_parts(
         left_pad: Vec<usize>,
         ends: Vec<usize>,
         held_from: Vec<usize>,
+        reuse_floor: Vec<Option<usize>>,
     ) -> Self {
         Rows {
             left_pad,
             ends,
             held_from,
+            reuse_floor,
             round: None,
         }
+    }
+
+    /// Each row's reuse floor (see the module's documentation).
+    pub fn reuse_floor(&self) -> &[Option<usize>] {
+        &self.reuse_floor
+    }
+
+    pub(crate) fn set_reuse_floor(&mut self, floors: Vec<Option<usize>>) {
+        self.reuse_floor = floors;
     }
 
     pub fn batch(&self) -> usize {
@@ -108,13 +123,21 @@ impl Rows {
         self.left_pad = pick(&self.left_pad);
         self.ends = pick(&self.ends);
         self.held_from = pick(&self.held_from);
+        self.reuse_floor = keep.iter().map(|&r| self.reuse_floor[r]).collect();
     }
 
-    /// Adds a row after the others: its padding, end and oldest held position.
-    pub(crate) fn push(&mut self, pad: usize, end: usize, held_from: usize) {
+    /// Adds a row after the others: its padding, end, oldest held position and reuse floor.
+    pub(crate) fn push(
+        &mut self,
+        pad: usize,
+        end: usize,
+        held_from: usize,
+        reuse_floor: Option<usize>,
+    ) {
         self.left_pad.push(pad);
         self.ends.push(end);
         self.held_from.push(held_from);
+        self.reuse_floor.push(reuse_floor);
     }
 
     pub(crate) fn begin_round(&mut self) -> Result<(), KvError> {

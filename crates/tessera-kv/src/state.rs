@@ -66,7 +66,7 @@ impl LayerCache {
             slack: self.slack,
             target: self.target,
             quantized_kv_start: self.start,
-            minimum_reusable_offset: self.minimum_reusable_offset,
+            minimum_reusable_offset: self.minimum_reusable_offset(),
             left_pad: self.rows.left_pad().to_vec(),
             ends: self.rows.ends(),
             held_from: self.rows.held_from().to_vec(),
@@ -132,10 +132,13 @@ impl LayerCache {
         }
         let mut planes = planes_for(stage, g, device)?;
         planes.restore(&state.planes)?;
+        // The state keeps one floor for the layer (every row's, in the one-row caches files
+        // hold): each row gets it.
         let mut rows = Rows::from_parts(
             state.left_pad.clone(),
             state.ends.clone(),
             state.held_from.clone(),
+            vec![state.minimum_reusable_offset; state.left_pad.len()],
         );
         rows.restore_round(state.round.clone());
         let slots = Slots::of(state.spec.retention, state.slack);
@@ -156,7 +159,6 @@ impl LayerCache {
             rows,
             target: state.target,
             start: state.quantized_kv_start,
-            minimum_reusable_offset: state.minimum_reusable_offset,
             bound: true,
             isa: Isa::detected(),
             queries: state.queries.clone(),

@@ -1,12 +1,28 @@
 //! The bf16-first transition (the seeds' lego): a layer with a quantized codec stores bf16
 //! until an append leaves it holding `quantized_kv_start` positions, reads that append in
 //! bf16, then converts every stored slot and drops the bf16 planes.
+//!
+//! With `quantized_kv_start` 0 the first append converts, whatever it holds, and each row's
+//! codec is fitted on the keys (and queries) of that append: so that a row's codes do not
+//! depend on how its prompt was chunked, an engine makes that append the first
+//! [`FIRST_APPEND`] positions of the prompt (all of a shorter one) whatever its chunk size
+//! ([`crate::KvCache::first_append`]). A row converted on exactly [`FIRST_APPEND`] positions
+//! may be cut back to no fewer (its reuse floor); one converted on fewer was fitted on its
+//! whole first prompt, which no other prompt's fresh row would be, so it is never reused
+//! ([`NEVER_REUSED`]).
 
 use crate::layer::LayerCache;
 use crate::planes::{planes_for, Planes};
 use crate::{Codec, KvError, TurboPrep};
 use candle_core::Tensor;
 use std::ops::Range;
+
+/// The positions a row's first append holds under `quantized_kv_start` 0 (fewer only for a
+/// shorter prompt): the keys its codec is fitted on.
+pub const FIRST_APPEND: usize = 512;
+
+/// The reuse floor of a row that no other prompt may reuse (see the module's documentation).
+pub const NEVER_REUSED: usize = usize::MAX;
 
 impl LayerCache {
     /// Whether the storage is still the bf16 stage of a quantized codec.
@@ -19,7 +35,19 @@ impl LayerCache {
     /// `quantized_kv_start`. `None` where no transition lies ahead.
     pub fn max_append_tokens(&self) -> Option<usize> {
         let width = self.rows.width();
+        if self.awaiting_conversion() && self.start == 0 && width == 0 {
+            return Some(FIRST_APPEND);
+        }
         (self.awaiting_conversion() && self.start > width).then(|| self.start - width)
+    }
+
+    /// The length the next append should have (at most: less where less is left to feed)
+    /// for each row's codec to be fitted on the same positions however the prompt is
+    /// chunked: [`FIRST_APPEND`] while a layer converting at `quantized_kv_start` 0 is
+    /// empty. `None`: any length.
+    pub fn first_append(&self) -> Option<usize> {
+        (self.awaiting_conversion() && self.start == 0 && self.rows.width() == 0)
+            .then_some(FIRST_APPEND)
     }
 
     /// The bf16-first transition: once an append leaves this layer holding at least
@@ -67,9 +95,16 @@ impl LayerCache {
         converted.reserve(capacity, self.slots.ring)?;
         converted.write(0..rows, 0, &k, &v)?;
         let retired = std::mem::replace(&mut self.planes, converted);
-        if self.start > 0 {
-            self.minimum_reusable_offset = Some(width);
-        }
+        let floors = match self.start {
+            0 => self
+                .rows
+                .offsets()
+                .into_iter()
+                .map(|held| Some(if held == FIRST_APPEND { held } else { NEVER_REUSED }))
+                .collect(),
+            _ => vec![Some(width); rows],
+        };
+        self.rows.set_reuse_floor(floors);
         Ok(Some(retired))
     }
 

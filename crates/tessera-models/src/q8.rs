@@ -1378,16 +1378,23 @@ pub(crate) mod tests {
     /// A row's output does not depend on the rows batched with it (a greedy request gives
     /// the same tokens alone and beside others, and a prompt read in one chunk or several):
     /// at every level, each row of a matmul equals that row's matmul alone, bit for bit,
-    /// for Q8_0 and the K-quants (one row runs other kernels than several at VNNI).
+    /// for Q8_0 and the K-quants on our kernels (one row runs other kernels than several at
+    /// VNNI; 2–3 rows, groups of eight and sixteen, prefill tiles), and for the types
+    /// candle's quantized matmul runs (each row quantized and dotted on its own).
     #[test]
     fn rows_come_out_the_same_alone_and_batched() {
         let dev = Device::Cpu;
         let (n, k) = (37, 512);
+        let shapes = [2usize, 3, 5, 8, 16, 19, 33, 64];
         for isa in Isa::supported() {
             for (dtype, rows) in [
-                (GgmlDType::Q8_0, &[2usize, 3, 5, 19][..]),
-                (GgmlDType::Q4K, &[2, 3, 19][..]),
-                (GgmlDType::Q6K, &[2, 3, 19][..]),
+                (GgmlDType::Q8_0, &shapes[..]),
+                (GgmlDType::Q4K, &shapes[..]),
+                (GgmlDType::Q6K, &shapes[..]),
+                (GgmlDType::Q4_0, &[2, 19][..]),
+                (GgmlDType::Q5K, &[2, 19][..]),
+                (GgmlDType::Q3K, &[2, 19][..]),
+                (GgmlDType::Q2K, &[2, 19][..]),
             ] {
                 let w = Tensor::from_vec(data(n * k, 7), (n, k), &dev).unwrap();
                 let lin = Linear::new(QTensor::quantize(&w, dtype).unwrap(), false, isa).unwrap();

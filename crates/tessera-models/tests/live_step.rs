@@ -204,6 +204,8 @@ impl Planes for LivePlanes {
             .iter()
             .map(|&(a, s)| RowSlots {
                 ranges: vec![a..s + 1],
+                // Live steps serve full-attention layers: every row sees its positions from 0.
+                first_position: 0,
             })
             .collect();
         let out = self

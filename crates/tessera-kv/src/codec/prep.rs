@@ -231,9 +231,11 @@ impl QueryMoments {
         let group = q_heads / kv_heads;
         for (r, span) in live.iter().enumerate() {
             let span = span.start.min(n)..span.end.min(n);
-            for h in 0..q_heads {
-                let sums = &mut self.sums[(r * kv_heads + h / group) * dim..][..dim];
-                for t in span.clone() {
+            // Position by position, so the sums' order (their last bits) is the same
+            // however the positions were chunked.
+            for t in span.clone() {
+                for h in 0..q_heads {
+                    let sums = &mut self.sums[(r * kv_heads + h / group) * dim..][..dim];
                     let v = &q[((r * q_heads + h) * n + t) * dim..][..dim];
                     sums.iter_mut()
                         .zip(v)

@@ -459,13 +459,14 @@ impl Planes for AffinePlanes {
         q: &Tensor,
         geometry: &ChunkGeometry,
         scale: f32,
-        _isa: Isa,
+        isa: Isa,
     ) -> Result<Option<Tensor>, KvError> {
-        Ok(Some(chunk::attend(
+        Ok(Some(chunk::attend_source(
             &q.contiguous()?,
-            self,
+            &affine_tiles::source(self, isa),
             geometry,
             scale,
+            isa,
         )?))
     }
 

@@ -35,6 +35,9 @@ pub struct PlaneGeometry {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowSlots {
     pub ranges: Vec<Range<usize>>,
+    /// The row's own position (padding not counted) of the first slot of `ranges`: where
+    /// the read's pieces fall ([`crate::read::piece`]).
+    pub first_position: usize,
 }
 
 impl RowSlots {

@@ -569,6 +569,7 @@ impl Planes for TurboPlanes {
             &turbo_tiles::source(self, isa),
             geometry,
             scale,
+            isa,
         )?))
     }
 

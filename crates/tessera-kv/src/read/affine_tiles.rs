@@ -60,7 +60,7 @@ fn dequantize_row<const BITS: usize>(view: &PlaneView, slot: usize, group: usize
 }
 
 /// Affine planes as a tile source: each position is dequantized on its way into the tile.
-struct AffineSource<'a> {
+pub(crate) struct AffineSource<'a> {
     planes: &'a AffinePlanes,
     /// The words per block of the vector unpacker the read's level and the planes'
     /// geometry allow (16 at AVX-512, 8 at AVX2), which writes rows lane-major: `orders`
@@ -363,6 +363,11 @@ impl TileSource for AffineSource<'_> {
 
 /// Attends `q` `(rows, kv_heads * group, 1, head_dim)` over `planes`, each row over its
 /// visible slots.
+/// The tile source of `planes` at `isa`, for the decode and chunk reads alike.
+pub(crate) fn source(planes: &AffinePlanes, isa: Isa) -> AffineSource<'_> {
+    AffineSource::new(planes, isa)
+}
+
 pub(crate) fn attend(
     q: &Tensor,
     planes: &AffinePlanes,

@@ -1,13 +1,14 @@
 //! The fused decode read: one query position per row, attended straight from the stored
-//! planes of any codec. Work is split into pieces of at most [`CHUNK`] positions of one
-//! (row, KV head) across the CPU pool, and the partial softmax states are merged (the
-//! flash-decoding scheme). A piece's keys and values are decoded by its [`TileSource`] into
-//! f32 sub-tiles of [`SUB_TILE`] positions (never the whole cache); every query head of the
-//! KV head (GQA folded) is scored per key load, and values are accumulated with the
-//! accumulators held in registers across positions.
+//! planes of any codec. Each (row, KV head) is cut into pieces ([`crate::read::piece`], the
+//! reduction order every CPU read shares) attended across the CPU pool and folded in
+//! position order (the flash-decoding scheme). A piece's keys and values are decoded by its
+//! [`TileSource`] into f32 sub-tiles (never the whole cache); every query head of the KV
+//! head (GQA folded) is scored per key load, and values are accumulated with the
+//! accumulators held in registers across positions. This file holds the tile kernels.
 
 use crate::planes::PlaneGeometry;
 pub(crate) use crate::planes::RowSlots;
+use crate::read::piece::{pieces, Dims, PieceReader, Softmax};
 use crate::{Isa, KvError};
 use candle_core::{Device, Tensor};
 use std::ops::Range;
@@ -83,33 +84,6 @@ impl DecodeShape {
 
 const LANES: usize = 16;
 
-/// Positions decoded into f32 at a time inside a piece: a tile of 32 rows of 256 stays in L1.
-const SUB_TILE: usize = 32;
-
-/// Partial softmax state over a span of positions for the `group` query heads of one KV head.
-pub(crate) struct Partial {
-    pub max: Vec<f32>,
-    pub sum: Vec<f32>,
-    pub acc: Vec<f32>, // (group, value_dim)
-}
-
-/// Turns `g` rows of `n` scores into `exp(score − row max)` in place; returns each row's max
-/// and sum (the partial softmax state).
-#[inline(always)]
-pub(crate) fn exponentiate(scores: &mut [f32], g: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut max = vec![f32::NEG_INFINITY; g];
-    let mut sum = vec![0f32; g];
-    for h in 0..g {
-        let row = &mut scores[h * n..(h + 1) * n];
-        max[h] = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        for v in row.iter_mut() {
-            *v = exp_nonpositive(*v - max[h]);
-        }
-        sum[h] = row.iter().sum();
-    }
-    (max, sum)
-}
-
 /// `e^x` for `x ≤ 0` within 1e-6 relative error, in plain arithmetic that vectorizes (libm's
 /// `expf` is a call per score and was 15–20% of a decode read). Below −87 the result is
 /// that of −87 (≈ 1.6e-38), which a softmax sum cannot tell from 0.
@@ -126,79 +100,6 @@ pub fn exp_nonpositive(x: f32) -> f32 {
         p = p.mul_add(r, c);
     }
     f32::from_bits(((k as i32 + 127) as u32) << 23) * p
-}
-
-fn merge(parts: Vec<Partial>, group: usize, dv: usize) -> Vec<f32> {
-    let mut out = vec![0f32; group * dv];
-    for h in 0..group {
-        let max = parts
-            .iter()
-            .map(|p| p.max[h])
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut total = 0f32;
-        for p in &parts {
-            let w = (p.max[h] - max).exp();
-            total += p.sum[h] * w;
-            for (o, a) in out[h * dv..(h + 1) * dv]
-                .iter_mut()
-                .zip(&p.acc[h * dv..(h + 1) * dv])
-            {
-                *o += a * w;
-            }
-        }
-        for o in &mut out[h * dv..(h + 1) * dv] {
-            *o /= total;
-        }
-    }
-    out
-}
-
-/// Positions per work item: small enough to use both cores at moderate depth, large
-/// enough that the merge stays negligible.
-const CHUNK: usize = 256;
-
-/// Splits every (row, KV head) over its visible slots into pieces of at most [`CHUNK`]
-/// positions, runs `kernel` on each piece across the CPU pool and merges the partial softmax
-/// states. Returns `(rows, kv_heads, group, value_dim)` row-major.
-pub(crate) fn run_pieces<K>(rows: &[RowSlots], s: &DecodeShape, kernel: K) -> Vec<f32>
-where
-    K: Fn(usize, usize, std::ops::Range<usize>) -> Partial + Sync,
-{
-    let (g, dv) = (s.group, s.value_dim);
-    let mut items = Vec::new();
-    for (r, slots) in rows.iter().enumerate() {
-        for h in 0..s.kv_heads {
-            for range in &slots.ranges {
-                let mut start = range.start;
-                while start < range.end {
-                    let end = (start + CHUNK).min(range.end);
-                    items.push((r, h, start..end));
-                    start = end;
-                }
-            }
-        }
-    }
-    let parts: Vec<std::sync::Mutex<Option<Partial>>> =
-        items.iter().map(|_| std::sync::Mutex::new(None)).collect();
-    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
-        for i in range {
-            let (r, h, ref slots) = items[i];
-            *parts[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(kernel(r, h, slots.clone()));
-        }
-    });
-    let mut out = vec![0f32; s.rows * s.kv_heads * g * dv];
-    let mut parts = parts.into_iter().map(|p| p.into_inner().unwrap().unwrap());
-    let mut items = items.into_iter().peekable();
-    while let Some((r, h, _)) = items.next() {
-        let mut group_parts = vec![parts.next().unwrap()];
-        while items.peek().is_some_and(|(r2, h2, _)| (*r2, *h2) == (r, h)) {
-            items.next();
-            group_parts.push(parts.next().unwrap());
-        }
-        let merged = merge(group_parts, g, dv);
-        out[(r * s.kv_heads + h) * g * dv..][..g * dv].copy_from_slice(&merged);
-    }
-    out
 }
 
 /// Decodes stored positions of one (row, KV head) block into f32 rows.
@@ -315,11 +216,12 @@ fn accumulate_tile<const G: usize>(
             out[h * dv + c..h * dv + c + LANES].copy_from_slice(a);
         }
     }
+    // The columns past the last whole vector: the same chain, one position at a time.
     for c in dv - dv % LANES..dv {
         for h in 0..G {
-            out[h * dv + c] += (0..n)
-                .map(|i| weights[h * stride + i] * values[i * dv + c])
-                .sum::<f32>();
+            for i in 0..n {
+                out[h * dv + c] = weights[h * stride + i].mul_add(values[i * dv + c], out[h * dv + c]);
+            }
         }
     }
 }
@@ -530,7 +432,7 @@ mod x86 {
 
 /// The tile kernels a decode runs: the widest its [`Isa`] and dimensions allow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Tiles {
+pub(crate) enum Tiles {
     Portable,
     /// AVX2 + FMA: key and value rows are multiples of 16 wide.
     Avx2,
@@ -541,7 +443,7 @@ enum Tiles {
 impl Tiles {
     /// The kernels for `isa` over `d`-wide keys and `dv`-wide values. Built only here, with
     /// `isa` capped to the CPU's level, so an x86 variant means the CPU runs its kernels.
-    fn new(isa: Isa, d: usize, dv: usize) -> Tiles {
+    pub(crate) fn new(isa: Isa, d: usize, dv: usize) -> Tiles {
         let isa = isa.capped();
         if isa.avx512() && d % 32 == 0 && dv % 32 == 0 {
             Tiles::Avx512
@@ -555,7 +457,7 @@ impl Tiles {
 
 /// [`score_tile`] by the kernels `tiles` names.
 #[inline(always)]
-fn score<const G: usize>(
+pub(crate) fn score<const G: usize>(
     tiles: Tiles,
     q: &[f32],
     keys: &[f32],
@@ -577,7 +479,7 @@ fn score<const G: usize>(
 
 /// [`accumulate_tile`] by the kernels `tiles` names.
 #[inline(always)]
-fn accumulate<const G: usize>(
+pub(crate) fn accumulate<const G: usize>(
     tiles: Tiles,
     weights: &[f32],
     stride: usize,
@@ -598,100 +500,11 @@ fn accumulate<const G: usize>(
     }
 }
 
-/// One piece: `g` query heads of one KV head over `slots`, by the `tiles` kernels.
-#[inline(always)]
-fn tile_span<S: TileSource, const G: usize>(
-    source: &S,
-    block: usize,
-    q: &[f32],
-    slots: Range<usize>,
-    s: &DecodeShape,
-    tiles: Tiles,
-) -> Partial {
-    let (g, d, dv, n) = (s.group, s.head_dim, s.value_dim, slots.len());
-    let mut tile = vec![0f32; SUB_TILE * d.max(dv)];
-    let mut scores = vec![0f32; g * n];
-    let mut acc = vec![0f32; g * dv];
-    // A group size without its own instance runs one head at a time.
-    let (heads, per_call) = if G == g { (1, G) } else { (g, 1) };
-    for t0 in (0..n).step_by(SUB_TILE) {
-        let m = SUB_TILE.min(n - t0);
-        let sub = slots.start + t0..slots.start + t0 + m;
-        source.keys(block, sub, &mut tile[..m * d]);
-        for h in 0..heads {
-            let (q, out) = (&q[h * d..], &mut scores[h * n + t0..]);
-            match per_call {
-                1 => score::<1>(tiles, q, &tile, m, d, out, n),
-                _ => score::<G>(tiles, q, &tile, m, d, out, n),
-            }
-        }
-    }
-    let (max, sum) = exponentiate(&mut scores, g, n);
-    for t0 in (0..n).step_by(SUB_TILE) {
-        let m = SUB_TILE.min(n - t0);
-        let sub = slots.start + t0..slots.start + t0 + m;
-        source.values(block, sub, &mut tile[..m * dv]);
-        for h in 0..heads {
-            let (w, out) = (&scores[h * n + t0..], &mut acc[h * dv..]);
-            match per_call {
-                1 => accumulate::<1>(tiles, w, n, &tile, m, dv, out),
-                _ => accumulate::<G>(tiles, w, n, &tile, m, dv, out),
-            }
-        }
-    }
-    Partial { max, sum, acc }
-}
-
-#[inline(always)]
-fn tile_span_any<S: TileSource>(
-    source: &S,
-    block: usize,
-    q: &[f32],
-    slots: Range<usize>,
-    s: &DecodeShape,
-    tiles: Tiles,
-) -> Partial {
-    match s.group {
-        2 => tile_span::<S, 2>(source, block, q, slots, s, tiles),
-        4 => tile_span::<S, 4>(source, block, q, slots, s, tiles),
-        8 => tile_span::<S, 8>(source, block, q, slots, s, tiles),
-        _ => tile_span::<S, 1>(source, block, q, slots, s, tiles),
-    }
-}
-
-/// [`tile_span_any`] compiled for AVX2, so the source's decoding and the softmax inlined
-/// into it use the wider vectors too.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_span_avx2<S: TileSource>(
-    source: &S,
-    block: usize,
-    q: &[f32],
-    slots: Range<usize>,
-    s: &DecodeShape,
-    tiles: Tiles,
-) -> Partial {
-    tile_span_any(source, block, q, slots, s, tiles)
-}
-
-/// [`tile_span_any`] compiled for AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma,f16c")]
-unsafe fn tile_span_avx512<S: TileSource>(
-    source: &S,
-    block: usize,
-    q: &[f32],
-    slots: Range<usize>,
-    s: &DecodeShape,
-    tiles: Tiles,
-) -> Partial {
-    tile_span_any(source, block, q, slots, s, tiles)
-}
-
 /// Attends `q` (rows × kv_heads × group × head_dim, f32) over `source`, each row over its
 /// visible slots, with the kernels of `isa` (capped to the CPU's); returns `(rows, kv_heads,
-/// group, value_dim)` row-major. A source with an order of its own must have chosen it for
-/// the same `isa`.
+/// group, value_dim)` row-major. Every (row, KV head) is cut into pieces
+/// ([`crate::read::piece`]) attended across the CPU pool, then folded in position order. A
+/// source with an order of its own must have chosen it for the same `isa`.
 pub(crate) fn attend_source<S: TileSource>(
     q: &[f32],
     source: &S,
@@ -701,26 +514,51 @@ pub(crate) fn attend_source<S: TileSource>(
     isa: Isa,
 ) -> Vec<f32> {
     let (g, d, dv) = (s.group, s.head_dim, s.value_dim);
-    let isa = isa.capped();
-    let tiles = Tiles::new(isa, d, dv);
+    let reader = PieceReader::new(
+        isa,
+        Dims {
+            group: g,
+            head_dim: d,
+            value_dim: dv,
+        },
+    );
     let mut q: Vec<f32> = q.iter().map(|x| x * scale).collect();
     q.chunks_exact_mut(d)
         .enumerate()
         .for_each(|(i, head)| source.prepare_query(i / g, head));
-    let out = run_pieces(rows, s, |r, h, slots| {
-        let block = r * s.kv_heads + h;
-        let qh = &q[block * g * d..][..g * d];
-        // SAFETY (both): `isa` was capped to the CPU's level above, so the CPU has every
-        // feature the wrapper is compiled for.
-        #[cfg(target_arch = "x86_64")]
-        if isa.avx512() {
-            return unsafe { tile_span_avx512(source, block, qh, slots, s, tiles) };
-        } else if isa.avx2() {
-            return unsafe { tile_span_avx2(source, block, qh, slots, s, tiles) };
+    let cuts: Vec<_> = rows
+        .iter()
+        .map(|slots| pieces(&slots.ranges, slots.first_position))
+        .collect();
+    let mut items = Vec::new();
+    for (r, cut) in cuts.iter().enumerate() {
+        for h in 0..s.kv_heads {
+            items.extend(cut.iter().map(|parts| (r * s.kv_heads + h, parts)));
         }
-        tile_span_any(source, block, qh, slots, s, tiles)
+    }
+    let states: Vec<std::sync::Mutex<Option<Softmax>>> =
+        items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+        for i in range {
+            let (block, parts) = items[i];
+            let n: usize = parts.iter().map(|p| p.len()).sum();
+            let qh = &q[block * g * d..][..g * d];
+            let state = reader.attend(source, block, parts, qh, &[0..n]).pop().flatten();
+            *states[i].lock().unwrap_or_else(|e| e.into_inner()) = state;
+        }
     });
-    let mut out = out;
+    let mut out = vec![0f32; s.rows * s.kv_heads * g * dv];
+    let mut folded: Vec<Softmax> = (0..s.rows * s.kv_heads)
+        .map(|_| Softmax::empty(reader.dims))
+        .collect();
+    for ((block, _), state) in items.iter().zip(states) {
+        if let Some(state) = state.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            folded[*block].fold(&state);
+        }
+    }
+    for (block, state) in folded.iter().enumerate() {
+        state.output(&mut out[block * g * dv..(block + 1) * g * dv]);
+    }
     out.chunks_exact_mut(dv)
         .enumerate()
         .for_each(|(i, head)| source.finish_output(i / g, head));
@@ -761,6 +599,7 @@ pub(crate) fn chunk_plain<E: Element>(
     value_dim: usize,
     geometry: &crate::planes::ChunkGeometry,
     scale: f32,
+    isa: Isa,
 ) -> candle_core::Result<candle_core::Tensor> {
     let source = PlainSource {
         keys,
@@ -769,7 +608,7 @@ pub(crate) fn chunk_plain<E: Element>(
         head_dim,
         value_dim,
     };
-    crate::read::chunk::attend_source(q, &source, geometry, scale)
+    crate::read::chunk::attend_source(q, &source, geometry, scale, isa)
 }
 
 #[cfg(test)]
@@ -905,11 +744,14 @@ pub(crate) mod tests {
     #[allow(clippy::single_range_in_vec_init)] // one range per row is the common case
     fn attend_source_matches_f64_attention_at_every_level() {
         let (rows, kv_heads, capacity) = (2, 2, 300);
-        // Row 0 spans two pieces of CHUNK slots (merged); row 1 is a wrapped ring.
+        // Row 0 spans two pieces (folded); row 1 is a wrapped ring.
         let visible = [vec![3..300], vec![250..300, 0..20]];
         let slots: Vec<RowSlots> = visible
             .iter()
-            .map(|r| RowSlots { ranges: r.clone() })
+            .map(|r| RowSlots {
+                ranges: r.clone(),
+                first_position: r[0].start,
+            })
             .collect();
         let dims = [
             (16, 16),

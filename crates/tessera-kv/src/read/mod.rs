@@ -10,6 +10,7 @@
 pub(crate) mod affine_tiles;
 pub(crate) mod chunk;
 pub(crate) mod decode;
+pub(crate) mod piece;
 mod dense;
 pub(crate) mod turbo_tiles;
 
