@@ -56,7 +56,9 @@ pub struct TokenLogprobs {
 }
 
 impl TokenLogprobs {
-    fn new(logits: &[f32], token: u32, top: usize) -> Self {
+    /// `token`'s log-probability under `logits` and the `top` most likely ids, as every
+    /// generating path reports them.
+    pub fn new(logits: &[f32], token: u32, top: usize) -> Self {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         // The sampler's vectorized e^(l − max) (a libm exp per id was ~1.5 ms a row at
         // Gemma's 262k), summed in f64.

@@ -3,10 +3,13 @@
 //! generation gives the logits of the plain one-row run, bit for bit, however its prompt is
 //! chunked (1, 7, 64, 512), beside 15 random neighbours of a continuous batch (some
 //! sampling, some left-padded in a group read), with n-gram speculation, with a draft model,
-//! from a warm prompt cache and from a prefix-store hit. Session runs compare every logit;
-//! batch runs compare each token's log-probability and its 20 most likely alternatives
-//! (functions of every logit, through the softmax's normalizer) with the same request run
-//! alone in a batch, whose tokens are the session's.
+//! from a warm prompt cache, from a prefix-store hit, and with steps ahead on and off.
+//! Session runs compare every logit; batch runs compare each token's log-probability and
+//! its 20 most likely alternatives (functions of every logit, through the softmax's
+//! normalizer) with those of the session's logits. The CPU's own level runs the whole
+//! matrix on both models; every lower level runs Gemma with turbo:4 (its codec's reads and
+//! the first append's conversion on top of bf16's arithmetic), without the draft model and
+//! the prefix store.
 //!
 //! The prompt is longer than the bf16-first transition's first append
 //! ([`tessera_kv::FIRST_APPEND`]), so the chunk sizes differ after it.
@@ -16,11 +19,10 @@ mod common;
 use tessera_engine::prompt_cache::PromptCache;
 use tessera_engine::speculative::{ModelDrafter, NgramDrafter, Speculative};
 use tessera_engine::{
-    Batch, BatchLimits, BatchSpec, Event, GenerationRequest, SamplerConfig, Session,
-    TokenLogprobs,
+    Batch, BatchLimits, BatchSpec, Event, GenerationRequest, SamplerConfig, Session, TokenLogprobs,
 };
-use tessera_kv::KvScheme;
-use tessera_models::{Model, Tokenizer};
+use tessera_kv::{Isa, KvScheme};
+use tessera_models::{LoadOptions, Model, Tokenizer};
 
 /// Generated tokens compared per run.
 const GENERATE: usize = 8;
@@ -68,6 +70,13 @@ fn session_run(session: &mut Session, prompt: &[u32]) -> (Vec<u32>, Vec<Vec<u32>
     (tokens, all)
 }
 
+fn bit_equal(a: &[(u32, f32)], b: &[(u32, f32)]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.0 == y.0 && x.1.to_bits() == y.1.to_bits())
+}
+
 fn first_difference(got: &[Vec<u32>], want: &[Vec<u32>]) -> Option<usize> {
     got.iter().zip(want).position(|(g, w)| g != w)
 }
@@ -104,10 +113,13 @@ fn batch_run(
         for event in batch.step().unwrap() {
             match &event {
                 Event::Token {
-                    id, token, logprobs: l, ..
+                    id,
+                    token,
+                    logprobs: l,
+                    ..
                 } if Some(*id) == ids[0] => {
                     tokens.push(*token);
-                    logprobs.push(l.clone().unwrap());
+                    logprobs.extend(l.clone());
                 }
                 Event::Finished { id, .. } if Some(*id) == ids[0] => finished = Some(event),
                 Event::Failed { message, .. } => panic!("a request failed: {message}"),
@@ -155,13 +167,21 @@ fn neighbours(tok: &Tokenizer, seed: u64) -> Vec<(GenerationRequest, usize)> {
         .collect()
 }
 
-fn check_model(model: &Model, tok: &Tokenizer, name: &str) {
+/// `full`: also a draft model and a prefix-store hit (the other levels skip those two, the
+/// slowest runs, whose arithmetic the others already cover).
+fn check_model(
+    model: &Model,
+    tok: &Tokenizer,
+    name: &str,
+    schemes: &[(&str, KvScheme)],
+    full: bool,
+) {
     let prompt = prompt(tok, 4000, 560);
     let limits = BatchLimits {
         max_batch: 16,
         ..Default::default()
     };
-    for (kv, scheme) in schemes() {
+    for (kv, scheme) in schemes {
         let what = |run: &str| format!("{name}, {kv}: {run}");
         let mut plain = Session::new(model, &scheme, 512).unwrap();
         let (tokens, logits) = session_run(&mut plain, &prompt);
@@ -169,7 +189,10 @@ fn check_model(model: &Model, tok: &Tokenizer, name: &str) {
             let mut s = Session::new(model, &scheme, chunk).unwrap();
             let (t, l) = session_run(&mut s, &prompt);
             if let Some(p) = first_difference(&l, &logits) {
-                panic!("{}: generated position {p}'s logits differ", what(&format!("prefill chunks of {chunk}")));
+                panic!(
+                    "{}: generated position {p}'s logits differ",
+                    what(&format!("prefill chunks of {chunk}"))
+                );
             }
             assert_eq!(t, tokens);
         }
@@ -186,24 +209,33 @@ fn check_model(model: &Model, tok: &Tokenizer, name: &str) {
         let rest = &prompt[reuse.tokens..];
         let (t, l) = session_run(&mut resumed, rest);
         if let Some(p) = first_difference(&l, &logits) {
-            panic!("{}: generated position {p}'s logits differ", what("warm prompt cache"));
+            panic!(
+                "{}: generated position {p}'s logits differ",
+                what("warm prompt cache")
+            );
         }
         assert_eq!(t, tokens);
 
         // Speculation over a session: n-gram drafts and a draft model (the model itself).
-        let mut s = Session::new(model, &scheme, 512).unwrap().with_round_slack(4);
+        let mut s = Session::new(model, &scheme, 512)
+            .unwrap()
+            .with_round_slack(4);
         let mut ngram = NgramDrafter { n: 3 };
-        let spec = Speculative::new(&mut s, &prompt, &mut ngram, 4, greedy(), GENERATE, vec![])
-            .unwrap();
+        let spec =
+            Speculative::new(&mut s, &prompt, &mut ngram, 4, greedy(), GENERATE, vec![]).unwrap();
         let t: Vec<u32> = spec.map(|t| t.unwrap()).collect();
         assert_eq!(t, tokens, "{}", what("n-gram speculation"));
-        let mut s = Session::new(model, &scheme, 512).unwrap().with_round_slack(4);
-        let mut drafter = ModelDrafter::new(model, model, &scheme, 4, &greedy()).unwrap();
-        let spec =
-            Speculative::new(&mut s, &prompt, &mut drafter, 4, greedy(), GENERATE, vec![])
-                .unwrap();
-        let t: Vec<u32> = spec.map(|t| t.unwrap()).collect();
-        assert_eq!(t, tokens, "{}", what("a draft model"));
+        if full {
+            let mut s = Session::new(model, &scheme, 512)
+                .unwrap()
+                .with_round_slack(4);
+            let mut drafter = ModelDrafter::new(model, model, &scheme, 4, &greedy()).unwrap();
+            let spec =
+                Speculative::new(&mut s, &prompt, &mut drafter, 4, greedy(), GENERATE, vec![])
+                    .unwrap();
+            let t: Vec<u32> = spec.map(|t| t.unwrap()).collect();
+            assert_eq!(t, tokens, "{}", what("a draft model"));
+        }
 
         // The request alone in a batch: the session's tokens, and the log-probabilities every
         // other batch run is held to.
@@ -211,12 +243,24 @@ fn check_model(model: &Model, tok: &Tokenizer, name: &str) {
         let mut batch = Batch::new(model, &scheme, 512, limits).unwrap();
         let (t, alone, _) = batch_run(&mut batch, &[(ours.clone(), 0)]);
         assert_eq!(t, tokens, "{}", what("alone in a batch"));
+        // ... whose log-probabilities are those of the session's logits.
+        for (p, (got, want)) in alone.iter().zip(&logits).enumerate() {
+            let want: Vec<f32> = want.iter().map(|&b| f32::from_bits(b)).collect();
+            let want = TokenLogprobs::new(&want, tokens[p], 20);
+            assert!(
+                got.logprob.to_bits() == want.logprob.to_bits() && bit_equal(&got.top, &want.top),
+                "{}: generated position {p}'s log-probabilities differ from the session's",
+                what("alone in a batch")
+            );
+        }
         let same = |got: &[TokenLogprobs], run: &str| {
             if let Some(p) = got.iter().zip(&alone).position(|(g, w)| {
-                g.logprob.to_bits() != w.logprob.to_bits()
-                    || g.top.iter().zip(&w.top).any(|(a, b)| a.0 != b.0 || a.1.to_bits() != b.1.to_bits())
+                g.logprob.to_bits() != w.logprob.to_bits() || !bit_equal(&g.top, &w.top)
             }) {
-                panic!("{}: generated position {p}'s log-probabilities differ", what(run));
+                panic!(
+                    "{}: generated position {p}'s log-probabilities differ",
+                    what(run)
+                );
             }
             assert_eq!(got.len(), alone.len(), "{}", what(run));
         };
@@ -226,6 +270,32 @@ fn check_model(model: &Model, tok: &Tokenizer, name: &str) {
         let mut batch = Batch::new(model, &scheme, 64, limits).unwrap();
         let (_, got, _) = batch_run(&mut batch, &runs);
         same(&got, "beside 15 neighbours");
+        // Steps ahead (they run only while no row asks for log-probabilities: greedy rows,
+        // tokens compared).
+        let quiet: Vec<(GenerationRequest, usize)> = runs
+            .iter()
+            .map(|(r, at)| {
+                let mut r = r.clone();
+                r.logprobs = None;
+                r.sampler = greedy();
+                (r, *at)
+            })
+            .collect();
+        for ahead in [false, true] {
+            let mut batch = Batch::new(model, &scheme, 64, limits)
+                .unwrap()
+                .with_steps_ahead(ahead);
+            let (t, _, _) = batch_run(&mut batch, &quiet);
+            assert_eq!(
+                t,
+                tokens,
+                "{}",
+                what(&format!("steps ahead {ahead}, beside 15 neighbours"))
+            );
+            if ahead {
+                assert!(batch.times().steps_ahead > 0, "{}", what("steps ran ahead"));
+            }
+        }
         // Speculation inside the batch.
         let mut batch = Batch::new(model, &scheme, 512, limits)
             .unwrap()
@@ -236,6 +306,9 @@ fn check_model(model: &Model, tok: &Tokenizer, name: &str) {
             .unwrap();
         let (_, got, _) = batch_run(&mut batch, &runs);
         same(&got, "n-gram speculation beside 15 neighbours");
+        if !full {
+            continue;
+        }
         // A prefix-store hit: a first request shares the prompt's first 550 tokens (on
         // Gemma 3, whose wrapped rings cannot be cut back, its checkpoint 64 tokens before
         // its end is what is reused).
@@ -258,13 +331,36 @@ fn check_model(model: &Model, tok: &Tokenizer, name: &str) {
     }
 }
 
-/// One test for both models, so that their runs do not share the two cores (the kernels'
-/// pool spins while the other test's runs; in parallel the pair took twice as long).
+/// One test for both models and every level, so that their runs do not share the two cores
+/// (the kernels' pool spins while another test's runs; in parallel a pair took twice as
+/// long).
 #[test]
 fn generations_are_bit_identical_however_run() {
     let (model, tok) = common::load(true);
-    check_model(&model, &tok, "gemma-3-270m");
+    check_model(&model, &tok, "gemma-3-270m", &schemes(), true);
     drop(model);
     let (model, tok) = common::load_path(&common::qwen_path());
-    check_model(&model, &tok, "qwen2.5-coder-0.5b");
+    check_model(&model, &tok, "qwen2.5-coder-0.5b", &schemes(), true);
+    drop(model);
+    let lower = schemes()
+        .into_iter()
+        .filter(|(kv, _)| *kv == "turbo:4")
+        .collect::<Vec<_>>();
+    for isa in Isa::supported()
+        .into_iter()
+        .filter(|&l| l != Isa::detected())
+    {
+        let (model, tok) = common::load_with(LoadOptions {
+            isa,
+            ..Default::default()
+        });
+        assert_eq!(model.isa(), isa);
+        check_model(
+            &model,
+            &tok,
+            &format!("gemma-3-270m at {isa:?}"),
+            &lower,
+            false,
+        );
+    }
 }

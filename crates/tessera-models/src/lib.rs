@@ -16,6 +16,7 @@ pub mod q8;
 mod q8_amx;
 mod q8_x16;
 mod q8_x8;
+mod row_matmul;
 mod shares;
 pub mod step_graph;
 pub mod synth;

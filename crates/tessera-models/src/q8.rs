@@ -957,6 +957,31 @@ impl Linear {
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&rows, 0)
             }
+            Linear::Candle(candle_core::quantized::QMatMul::QTensor(w)) if x.device().is_cpu() => {
+                match crate::row_matmul::forward(w, x)? {
+                    Some(y) => Ok(y),
+                    // Another type: candle's matmul a row at a time, so that a row's output
+                    // does not depend on the rows beside it (see `row_matmul`).
+                    None => {
+                        let dims = x.dims().to_vec();
+                        let k = *dims.last().unwrap_or(&0);
+                        let flat = x.reshape(((), k))?;
+                        let rows = (0..flat.dim(0)?)
+                            .map(|r| {
+                                candle_core::Module::forward(
+                                    &candle_core::quantized::QMatMul::QTensor(w.clone()),
+                                    &flat.narrow(0, r, 1)?,
+                                )
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        let y = Tensor::cat(&rows, 0)?;
+                        let mut out = dims;
+                        out.pop();
+                        out.push(y.dim(1)?);
+                        y.reshape(out)
+                    }
+                }
+            }
             Linear::Candle(m) => candle_core::Module::forward(m, x),
         }
     }
@@ -1380,13 +1405,15 @@ pub(crate) mod tests {
     /// at every level, each row of a matmul equals that row's matmul alone, bit for bit,
     /// for Q8_0 and the K-quants on our kernels (one row runs other kernels than several at
     /// VNNI; 2–3 rows, groups of eight and sixteen, prefill tiles), and for the types
-    /// candle's quantized matmul runs (each row quantized and dotted on its own).
+    /// candle's quantized matmul runs (`row_matmul`: each row quantized and dotted on its
+    /// own, never candle's row-count-dependent repacked tiles).
     #[test]
     fn rows_come_out_the_same_alone_and_batched() {
         let dev = Device::Cpu;
-        let (n, k) = (37, 512);
+        let k = 512;
         let shapes = [2usize, 3, 5, 8, 16, 19, 33, 64];
-        for isa in Isa::supported() {
+        // 64 outputs: a width candle's run-time repacking takes (37 it does not).
+        for (isa, n) in Isa::supported().into_iter().flat_map(|l| [(l, 37), (l, 64)]) {
             for (dtype, rows) in [
                 (GgmlDType::Q8_0, &shapes[..]),
                 (GgmlDType::Q4K, &shapes[..]),
@@ -1421,7 +1448,7 @@ pub(crate) mod tests {
                         assert_eq!(
                             bits(&batched[i * n..(i + 1) * n]),
                             bits(&alone),
-                            "{isa} {dtype:?}: row {i} of {m}"
+                            "{isa} {dtype:?}, {n} outputs: row {i} of {m}"
                         );
                     }
                 }
