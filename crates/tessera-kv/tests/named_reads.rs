@@ -901,12 +901,15 @@ fn max_append_tokens_converts_exactly_at_start() {
         );
         assert_eq!(cache.max_append_tokens(), None);
     }
-    // Plain codecs, and quantized ones converting at the first append, have no bound.
+    // Plain codecs have no bound; quantized ones converting at the first append bound only
+    // that append (to FIRST_APPEND, so a row's codec is fitted on the same positions however
+    // its prompt is chunked), and a row whose first append was shorter is never reused.
     for (codec, start) in [
         (Codec::Plain(PlainDType::Bf16), 20),
         (Codec::Plain(PlainDType::F32), 0),
         (Codec::Affine { bits: 4, group: 32 }, 0),
     ] {
+        let quantized = !matches!(codec, Codec::Plain(_));
         let s = Scenario {
             codec,
             store: PlainDType::Bf16,
@@ -920,14 +923,15 @@ fn max_append_tokens_converts_exactly_at_start() {
         };
         let mut cache = s.cache();
         let bound = cache.max_append_tokens();
-        assert_eq!(bound, None, "{codec:?} start {start}");
+        let first = quantized.then_some(tessera_kv::FIRST_APPEND);
+        assert_eq!(bound, first, "{codec:?} start {start}");
         let mut seed = 2;
         let (k, _) = random((1, 1, 5, 32), &mut seed);
         cache.layer_mut(0).append_window(&k, &k).unwrap();
         assert_eq!(cache.max_append_tokens(), None, "{codec:?} start {start}");
         assert_eq!(
             cache.minimum_reusable_offset(),
-            None,
+            quantized.then_some(tessera_kv::NEVER_REUSED),
             "{codec:?} start {start}"
         );
     }
