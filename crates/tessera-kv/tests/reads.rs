@@ -851,9 +851,11 @@ fn bf16_first_conversion_equals_quantizing_after_the_fact() {
                     !cache.layers()[0].awaiting_conversion(),
                     "start {start}: converted by now"
                 );
+                // At 0 the row's codec was fitted on its 41 positions, fewer than any
+                // longer prompt's first append (FIRST_APPEND): never reused.
                 assert_eq!(
                     cache.layers()[0].minimum_reusable_offset(),
-                    (start > 0).then_some(41)
+                    Some(if start > 0 { 41 } else { tessera_kv::NEVER_REUSED })
                 );
                 let read = cache.layer_mut(0).append_decode(&kd, &kd).unwrap();
                 read.attend(&q, 0.125)
