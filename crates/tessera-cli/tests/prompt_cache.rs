@@ -79,9 +79,12 @@ fn info_json(file: &str) -> serde_json::Value {
 /// A document longer than a quantized cache's first append (`tessera_kv::FIRST_APPEND`,
 /// 512 tokens): the first chapters of the shared corpus's novel.
 fn long_document() -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/corpus/pride-and-prejudice.txt");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/corpus/pride-and-prejudice.txt");
     let text = std::fs::read_to_string(&path).expect("../shared/corpus is readable");
-    let start = text.find("It is a truth universally").expect("the novel's first line");
+    let start = text
+        .find("It is a truth universally")
+        .expect("the novel's first line");
     text[start..start + 3200].to_string()
 }
 
@@ -93,7 +96,12 @@ fn a_prompt_extending_the_cache_reuses_it_and_generates_the_cold_text() {
     let document = long_document();
     let question = format!("{document} Who is the single man?");
     for kv in ["bf16", "affine:4", "turbo:4"] {
-        let file = save(&dir, &format!("{}.tpc", kv.replace(':', "_")), kv, &document);
+        let file = save(
+            &dir,
+            &format!("{}.tpc", kv.replace(':', "_")),
+            kv,
+            &document,
+        );
         let info = info_json(&file);
         let held = info["rows"][0].as_u64().unwrap() as usize;
         assert!(held > tessera_kv::FIRST_APPEND, "{info}");
@@ -157,8 +165,15 @@ fn a_short_quantized_cache_is_not_reused() {
         let held = info_json(&file)["rows"][0].as_u64().unwrap() as usize;
         let run = |cache: Option<&str>| {
             let mut args = vec![
-                "generate", "--model", &model(), "--prompt", &question, "--max-tokens", "8",
-                "--temperature", "0",
+                "generate",
+                "--model",
+                &model(),
+                "--prompt",
+                &question,
+                "--max-tokens",
+                "8",
+                "--temperature",
+                "0",
             ]
             .into_iter()
             .map(String::from)
@@ -175,10 +190,14 @@ fn a_short_quantized_cache_is_not_reused() {
         let (cold, _) = run(None);
         let (warm, err) = run(Some(&file));
         if reused {
-            assert!(err.contains(&format!("{held} of the prompt's")), "{kv}: {err}");
+            assert!(
+                err.contains(&format!("{held} of the prompt's")),
+                "{kv}: {err}"
+            );
         } else {
             assert!(
-                err.contains("0 of the prompt's") && err.contains("fitted on a prompt shorter than 512"),
+                err.contains("0 of the prompt's")
+                    && err.contains("fitted on a prompt shorter than 512"),
                 "{kv}: {err}"
             );
         }

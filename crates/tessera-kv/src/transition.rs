@@ -100,7 +100,13 @@ impl LayerCache {
                 .rows
                 .offsets()
                 .into_iter()
-                .map(|held| Some(if held == FIRST_APPEND { held } else { NEVER_REUSED }))
+                .map(|held| {
+                    Some(if held == FIRST_APPEND {
+                        held
+                    } else {
+                        NEVER_REUSED
+                    })
+                })
                 .collect(),
             _ => vec![Some(width); rows],
         };

@@ -148,7 +148,8 @@ fn check(scheme_name: &str, retention: Retention, slack: usize, group: usize, d:
     let seq = Sequence::new(&spec, 2 * group, len, 7);
     let other = Sequence::new(&spec, 2 * group, len + 13, 8);
     for isa in Isa::supported() {
-        let what = format!("{scheme_name}, {retention:?}, slack {slack}, group {group}, d {d}, {isa}");
+        let what =
+            format!("{scheme_name}, {retention:?}, slack {slack}, group {group}, d {d}, {isa}");
         let alone = run(spec, &scheme, isa, slack, &[&seq], &[0], 1);
         for chunk in [7, 64, 300] {
             let got = run(spec, &scheme, isa, slack, &[&seq], &[0], chunk);

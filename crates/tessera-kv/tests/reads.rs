@@ -855,7 +855,11 @@ fn bf16_first_conversion_equals_quantizing_after_the_fact() {
                 // longer prompt's first append (FIRST_APPEND): never reused.
                 assert_eq!(
                     cache.layers()[0].minimum_reusable_offset(),
-                    Some(if start > 0 { 41 } else { tessera_kv::NEVER_REUSED })
+                    Some(if start > 0 {
+                        41
+                    } else {
+                        tessera_kv::NEVER_REUSED
+                    })
                 );
                 let read = cache.layer_mut(0).append_decode(&kd, &kd).unwrap();
                 read.attend(&q, 0.125)

@@ -1413,7 +1413,10 @@ pub(crate) mod tests {
         let k = 512;
         let shapes = [2usize, 3, 5, 8, 16, 19, 33, 64];
         // 64 outputs: a width candle's run-time repacking takes (37 it does not).
-        for (isa, n) in Isa::supported().into_iter().flat_map(|l| [(l, 37), (l, 64)]) {
+        for (isa, n) in Isa::supported()
+            .into_iter()
+            .flat_map(|l| [(l, 37), (l, 64)])
+        {
             for (dtype, rows) in [
                 (GgmlDType::Q8_0, &shapes[..]),
                 (GgmlDType::Q4K, &shapes[..]),

@@ -56,5 +56,7 @@ fn run<T: GgmlType>(w: &QTensor, x: &Tensor) -> Result<Option<Tensor>> {
     let mut out_dims = dims;
     out_dims.pop();
     out_dims.push(n);
-    Ok(Some(Tensor::from_vec(out, out_dims, x.device())?.to_dtype(x.dtype())?))
+    Ok(Some(
+        Tensor::from_vec(out, out_dims, x.device())?.to_dtype(x.dtype())?,
+    ))
 }

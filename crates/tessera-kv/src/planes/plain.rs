@@ -336,7 +336,9 @@ impl Planes for PlainPlanes {
             self.geometry.value_dim,
         );
         let out = match (&self.keys, &self.values) {
-            (Data::Bf16(k), Data::Bf16(v)) => decode::chunk_plain(&q, k, v, c, d, dv, g, scale, isa)?,
+            (Data::Bf16(k), Data::Bf16(v)) => {
+                decode::chunk_plain(&q, k, v, c, d, dv, g, scale, isa)?
+            }
             (Data::F16(k), Data::F16(v)) => decode::chunk_plain(&q, k, v, c, d, dv, g, scale, isa)?,
             (Data::F32(k), Data::F32(v)) => decode::chunk_plain(&q, k, v, c, d, dv, g, scale, isa)?,
             _ => unreachable!("both planes have the storage dtype"),

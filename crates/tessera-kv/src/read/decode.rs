@@ -220,7 +220,8 @@ fn accumulate_tile<const G: usize>(
     for c in dv - dv % LANES..dv {
         for h in 0..G {
             for i in 0..n {
-                out[h * dv + c] = weights[h * stride + i].mul_add(values[i * dv + c], out[h * dv + c]);
+                out[h * dv + c] =
+                    weights[h * stride + i].mul_add(values[i * dv + c], out[h * dv + c]);
             }
         }
     }
@@ -543,7 +544,10 @@ pub(crate) fn attend_source<S: TileSource>(
             let (block, parts) = items[i];
             let n: usize = parts.iter().map(|p| p.len()).sum();
             let qh = &q[block * g * d..][..g * d];
-            let state = reader.attend(source, block, parts, qh, &[0..n]).pop().flatten();
+            let state = reader
+                .attend(source, block, parts, qh, &[0..n])
+                .pop()
+                .flatten();
             *states[i].lock().unwrap_or_else(|e| e.into_inner()) = state;
         }
     });

@@ -10,8 +10,8 @@
 pub(crate) mod affine_tiles;
 pub(crate) mod chunk;
 pub(crate) mod decode;
-pub(crate) mod piece;
 mod dense;
+pub(crate) mod piece;
 pub(crate) mod turbo_tiles;
 
 use crate::planes::{ChunkGeometry, Planes, PlanesRef, RowSlots};
