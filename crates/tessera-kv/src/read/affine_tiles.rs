@@ -55,7 +55,7 @@ fn dequantize_row<const BITS: usize>(view: &PlaneView, slot: usize, group: usize
     params.convert_to_f32_slice(wide);
     for (values, p) in out.chunks_exact_mut(group).zip(wide.chunks_exact(2)) {
         let (s, b) = (p[0], p[1]);
-        values.iter_mut().for_each(|v| *v = v.mul_add(s, b));
+        values.iter_mut().for_each(|v| *v = *v * s + b);
     }
 }
 
