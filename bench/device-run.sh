@@ -72,6 +72,12 @@
 #           JIT cache empty, filled and off (CUDA_CACHE_PATH / CUDA_CACHE_DISABLE); bench's
 #           steady step beside it, NVRTC's time per source (FIRSTRUN_PROMPT_FILE or
 #           FIRSTRUN_PROMPT: the prompt; FIRSTRUN_BINS, FIRSTRUN_ROUNDS: binaries alternated)
+#   determinism  tessera-kernels' determinism_cuda test (carried as .device/determinism_cuda.*):
+#           deterministic mode's logits bit-identical however run, on synthetic models
+#   detcost  deterministic mode's cost: tessera bench with and without --deterministic, in
+#           turn, on the synthetic Llama-3-8B (Q4_0, tessera's weight kernels) and Gemma 3 270M
+#           (Q8_0, candle's matmuls), DETCOST_RUNS "MODEL:BATCH:DEPTH" (8b / 270m), bf16 and
+#           affine:4 (DETCOST_KVS), DETCOST_GEN tokens (64), DETCOST_PROMPT prefill tokens (512)
 #   variants  decode-read kernel variants at 32k tokens, then the folded ones again under each
 #           VARIANT_DEFINES entry (NAME:VALUE, a #define)
 # Any failing command fails the run (set -e, and pipefail through the `| tee` logs): a parity
@@ -145,6 +151,25 @@ for step in "$@"; do
           echo "-- $bin" | tee -a $OUT/e2e-8b.txt
           $B/$bin bench --model /tmp/llama3-8b.gguf --device cuda --kv $kv --depth $2 ${E2E8B_FLAGS:-} \
             --gen-tokens ${E2E8B_GEN:-32} --prompt-tokens ${E2E8B_PROMPT:-2048} --repeat ${E2E8B_REPEAT:-1} --batch $1 2>&1 | tee -a $OUT/e2e-8b.txt
+        done; done
+      done ;;
+    determinism)
+      log determinism
+      $B/determinism_cuda --ignored --nocapture --test-threads=1 2>&1 | tee $OUT/determinism-cuda.txt ;;
+    detcost)
+      log detcost
+      for run in ${DETCOST_RUNS:-8b:1:0 8b:16:0 8b:1:4096 8b:16:4096 270m:1:0 270m:16:0}; do
+        IFS=: read -r m batch depth <<< "$run"
+        case $m in
+          8b) model=/tmp/llama3-8b.gguf; [ -f $model ] || $T model synth --arch llama --preset llama3-8b --dtype q4_0 --out $model ;;
+          270m) model=/tmp/gemma3-270m-q8_0.gguf; [ -f $model ] || $T model synth --arch gemma3 --preset gemma3-270m --dtype q8_0 --out $model ;;
+        esac
+        for kv in ${DETCOST_KVS:-bf16 affine:4}; do for flags in "" --deterministic; do
+          echo "-- $m batch $batch depth $depth $kv ${flags:-default}" | tee -a $OUT/detcost.txt
+          $T bench --model $model --device cuda --kv $kv --depth $depth $flags --gen-tokens ${DETCOST_GEN:-64} \
+            --prompt-tokens ${DETCOST_PROMPT:-512} --repeat 1 --batch $batch > /tmp/detcost.log 2>&1 \
+            || echo "FAILED: $(tail -3 /tmp/detcost.log)" | tee -a $OUT/detcost.txt
+          grep -E '^(model|prefill|decode)' /tmp/detcost.log | tee -a $OUT/detcost.txt || true
         done; done
       done ;;
     graphprobe)

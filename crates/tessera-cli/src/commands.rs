@@ -94,6 +94,8 @@ fn cuda_device(_ordinal: usize, _kv_profile: bool) -> Result<Device> {
 
 pub fn load(args: &ModelArgs) -> Result<(Model, Tokenizer)> {
     let device = device(&args.device, args.kv_profile)?;
+    // The CPU's numerics are batch-invariant always; on a GPU it is a mode.
+    tessera_models::device_weights::set_deterministic(args.deterministic && !device.is_cpu());
     let path = model_path(args)?;
     let options = LoadOptions {
         // The Q8_0 re-encoding serves the CPU's repacked matmul only.

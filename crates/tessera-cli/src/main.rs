@@ -43,6 +43,13 @@ pub struct ModelArgs {
     /// in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// On a GPU, batch-invariant numerics: a token's logits have the same bits alone or in
+    /// a batch of any size, in a prefill chunk of any length, in a speculative verify
+    /// window or after a cached prefix (each matmul row and each attention read computed in
+    /// one order whatever shares its launch), at a cost in speed (BENCHMARKS.md). The CPU
+    /// gives this always; there the flag changes nothing.
+    #[arg(long)]
+    pub deterministic: bool,
     /// On a GPU, run every weight matrix through candle's quantized matmuls instead of
     /// tessera's own kernels (Q4_0: a tensor-core matmul from the codes below 256 input
     /// rows, bf16 GEMMs for prefill chunks of 256 rows or more).

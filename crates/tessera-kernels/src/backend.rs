@@ -377,6 +377,20 @@ impl std::fmt::Debug for CudaPlanes {
 }
 
 /// A launch over `n` independent items (the kernels loop grid-stride).
+/// A row's slots as one span in position order for planes of `capacity` slots: a wrapped
+/// ring's `[a, capacity)` then `[0, e)` as `(a, capacity + e)` (the decode kernel reads slot
+/// `p - capacity` past the end), so that a deterministic read sums a row's positions from its
+/// first whatever slot the ring put it in.
+fn position_span(row: &RowSlots, capacity: usize) -> Option<(usize, usize)> {
+    match row.ranges.as_slice() {
+        [a] => Some((a.start, a.end)),
+        [a, e] if a.end == capacity && e.start == 0 && e.end <= a.start => {
+            Some((a.start, capacity + e.end))
+        }
+        _ => None,
+    }
+}
+
 fn grid(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems((n.clamp(1, 1 << 22)) as u32)
 }
@@ -1309,11 +1323,25 @@ impl Planes for CudaPlanes {
         scale: f32,
         _isa: Isa,
     ) -> Result<Option<Tensor>, KvError> {
+        let deterministic = tessera_models::device_weights::deterministic();
+        let capacity = self.planes.as_ref().map_or(0, |p| p.capacity);
         let Some(spans) = rows
             .iter()
-            .map(|r| r.single_span().map(|s| (s.start, s.end)))
+            .map(|r| {
+                if deterministic {
+                    position_span(r, capacity)
+                } else {
+                    r.single_span().map(|s| (s.start, s.end))
+                }
+            })
             .collect::<Option<Vec<_>>>()
         else {
+            if deterministic {
+                return Err(KvError::Device(format!(
+                    "deterministic mode: rows {:?} are not one run of slots each",
+                    rows.iter().map(|r| &r.ranges).collect::<Vec<_>>()
+                )));
+            }
             return Ok(None);
         };
         if self.planes.is_none() || spans.len() != self.geometry.rows {
@@ -1332,6 +1360,9 @@ impl Planes for CudaPlanes {
         scale: f32,
         _isa: Isa,
     ) -> Result<Option<Tensor>, KvError> {
+        if tessera_models::device_weights::deterministic() {
+            return self.chunk_as_decodes(q, geometry, scale).map(Some);
+        }
         let Some(start) = geometry.aligned() else {
             return Ok(None);
         };
@@ -1706,6 +1737,71 @@ impl CudaPlanes {
             keys = keys.broadcast_add(&means)?;
         }
         Ok((keys, wrap(&self.kernels, v, &shape)))
+    }
+
+    /// Deterministic mode's chunk read: each query read as a decode read of the slots it
+    /// sees (one launch row a query, the same kernel and splits as a decode step's read),
+    /// so a position's attention has the same bits however its prompt was chunked, padded
+    /// or batched.
+    fn chunk_as_decodes(
+        &self,
+        q: &Tensor,
+        geometry: &ChunkGeometry,
+        scale: f32,
+    ) -> Result<Tensor, KvError> {
+        let geo = self.geometry;
+        let (b, qh, n, d) = q.dims4()?;
+        if b != geo.rows
+            || geometry.rows.len() != b
+            || d != geo.head_dim
+            || geo.value_dim != geo.head_dim
+            || qh % geo.heads != 0
+        {
+            return Err(KvError::QueryShape {
+                got: q.dims().to_vec(),
+                detail: format!("a deterministic CUDA chunk read over {geo:?}"),
+            });
+        }
+        let planes = self.planes()?;
+        if geometry.slots > planes.capacity {
+            return Err(KvError::Device(format!(
+                "a chunk read of {} slots over planes of {}",
+                geometry.slots, planes.capacity
+            )));
+        }
+        let spans: Vec<(usize, usize)> = (0..b)
+            .flat_map(|r| (0..n).map(move |i| (r, i)))
+            .map(|(r, i)| {
+                let v = geometry.visible(r, i);
+                (v.start, v.end)
+            })
+            .collect();
+        let g = qh / geo.heads;
+        let k = &self.kernels;
+        // Queries as launch rows: (b, n, qh, d), row r's query i at r · n + i.
+        let rows_q = f32_storage(&q.transpose(1, 2)?.contiguous()?)?;
+        let max_len = spans.iter().map(|s| s.1 - s.0).max().unwrap_or(0);
+        let plan = Plan::deterministic(max_len);
+        let out = with_f32(&rows_q, |qs, offset| {
+            let qs = qs.slice(offset..);
+            let read = &k.read;
+            let mut scratch = read.scratch_rows(&plan, b * n, planes, g)?;
+            // SAFETY: the merge writes every element of `out` before anything reads it.
+            let mut out = unsafe { read.stream.alloc::<f32>(b * n * qh * d)? };
+            read.decode(
+                &plan,
+                planes,
+                g,
+                &qs,
+                scale,
+                &spans,
+                None,
+                &mut scratch,
+                &mut out,
+            )?;
+            Ok(out)
+        })?;
+        Ok(wrap(k, out, &[b, n, qh, d]).transpose(1, 2)?.contiguous()?)
     }
 
     /// The fused chunk read where this codec and shape have one (see `Planes::chunk`).

@@ -196,6 +196,8 @@ const SPAN_ROWS: usize = 256;
 #[derive(Clone, Copy)]
 struct Spans {
     row0: i32,
+    /// Launch rows per stored row: a chunk read's queries as decode reads (1 for decode).
+    nq: i32,
     start: [i32; SPAN_ROWS],
     end: [i32; SPAN_ROWS],
     live: u64,
@@ -486,6 +488,9 @@ impl DecodeRead {
         g: usize,
         max_len: usize,
     ) -> Result<Plan> {
+        if variant.is_none() && tessera_models::device_weights::deterministic() {
+            return Ok(Plan::deterministic(max_len));
+        }
         let variant = match variant {
             Some(v) => v,
             None => self.default_variant(planes.codec, planes.d, g)?,
@@ -509,7 +514,18 @@ impl DecodeRead {
 
     /// Scratch for the partial softmax states of `plan` (reusable by any smaller plan).
     pub fn scratch(&self, plan: &Plan, planes: &GpuPlanes, g: usize) -> Result<Scratch> {
-        let states = plan.states(planes, g);
+        self.scratch_rows(plan, planes.batch, planes, g)
+    }
+
+    /// Scratch for the states of `plan` over `rows` launch rows (a chunk read's queries).
+    pub fn scratch_rows(
+        &self,
+        plan: &Plan,
+        rows: usize,
+        planes: &GpuPlanes,
+        g: usize,
+    ) -> Result<Scratch> {
+        let states = rows * planes.kv_heads * g * plan.splits;
         Ok(Scratch {
             ml: self.stream.alloc_zeros::<f32>(states * 2)?,
             acc: self.stream.alloc_zeros::<f32>(states * planes.d)?,
@@ -547,10 +563,22 @@ impl DecodeRead {
         };
         let live = live.map(|l| l.device_ptr_mut(&self.stream));
         let live_ptr = live.as_ref().map_or(0, |l| l.0);
-        if live.is_none() && spans.len() != planes.batch {
+        // Queries per stored row: several where a chunk read runs as decode reads (each
+        // query its own launch row, `spans` row-major), which only the CUDA-core kernel
+        // indexes so.
+        let rows = if live.is_some() {
+            planes.batch
+        } else {
+            spans.len()
+        };
+        let nq = rows / planes.batch.max(1);
+        if planes.batch == 0 || nq == 0 || rows != nq * planes.batch {
             bail!("{} spans for {} rows", spans.len(), planes.batch);
         }
-        if !scratch.fits(plan, planes, g) {
+        if nq > 1 && plan.variant != Variant::Simt {
+            bail!("{nq} queries a row read by the {:?} kernel", plan.variant);
+        }
+        if !scratch.fits_rows(plan, rows, planes, g) {
             bail!("decode scratch smaller than its plan");
         }
         let qscale = scale * std::f32::consts::LOG2_E;
@@ -559,7 +587,7 @@ impl DecodeRead {
             planes.capacity as i32,
             plan.chunk as i32,
         );
-        let vectors = planes.batch * planes.kv_heads * g;
+        let vectors = rows * planes.kv_heads * g;
         let per_vector = |n: usize| LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (planes.d as u32, 1, 1),
@@ -575,8 +603,14 @@ impl DecodeRead {
             Some(((rotate, _), t)) => {
                 // SAFETY: the rotation writes every element before the read uses it.
                 let mut qr = unsafe { self.stream.alloc::<f32>(vectors * planes.d)? };
+                let (kv_heads_, nq_) = (planes.kv_heads as i32, nq as i32);
                 let mut b = self.stream.launch_builder(rotate);
-                b.arg(q).arg(&mut qr).arg(&t.scale).arg(&t.signs);
+                b.arg(q)
+                    .arg(&mut qr)
+                    .arg(&t.scale)
+                    .arg(&t.signs)
+                    .arg(&kv_heads_)
+                    .arg(&nq_);
                 unsafe { b.launch(per_vector(vectors))? };
                 Some(qr)
             }
@@ -584,13 +618,14 @@ impl DecodeRead {
         };
         let q_read = rotated.as_ref().map(|r| r.slice(..));
         let q = q_read.as_ref().unwrap_or(q);
-        let runs: Vec<(usize, usize)> = (0..planes.batch)
+        let runs: Vec<(usize, usize)> = (0..rows)
             .step_by(SPAN_ROWS)
-            .map(|row0| (row0, SPAN_ROWS.min(planes.batch - row0)))
+            .map(|row0| (row0, SPAN_ROWS.min(rows - row0)))
             .collect();
         for (row0, rows) in runs {
             let mut arg = Spans {
                 row0: row0 as i32,
+                nq: nq as i32,
                 start: [0; SPAN_ROWS],
                 end: [0; SPAN_ROWS],
                 live: live_ptr,
@@ -632,7 +667,7 @@ impl DecodeRead {
             .int(plan.splits as i32)
             .long(live_ptr as i64);
         let cfg = LaunchConfig {
-            grid_dim: ((planes.kv_heads * g) as u32, planes.batch as u32, 1),
+            grid_dim: ((planes.kv_heads * g) as u32, rows as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -747,11 +782,23 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Partial softmax states the plan writes: one per (row, query head, split).
-    fn states(&self, planes: &GpuPlanes, g: usize) -> usize {
-        planes.batch * planes.kv_heads * g * self.splits
+    /// Deterministic mode's plan for reads of up to `max_len` positions: the CUDA-core
+    /// kernel (every codec has it) over splits of [`DETERMINISTIC_SPLIT`] positions from
+    /// each row's first, so that a query's sums depend on its own span alone, never on the
+    /// longest row beside it or the batch's size (a row's splits past its end are empty and
+    /// merge as exact zeros).
+    pub fn deterministic(max_len: usize) -> Plan {
+        Plan {
+            variant: Variant::Simt,
+            splits: max_len.div_ceil(DETERMINISTIC_SPLIT).max(1),
+            chunk: DETERMINISTIC_SPLIT,
+        }
     }
 }
+
+/// Positions a split of a deterministic-mode read takes (a multiple of the kernels' block
+/// step).
+pub const DETERMINISTIC_SPLIT: usize = 256;
 
 /// Partial softmax states of decode reads (kept across reads on one stream: each read's
 /// kernels run in stream order, so the next read reuses it safely).
@@ -762,7 +809,12 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn fits(&self, plan: &Plan, planes: &GpuPlanes, g: usize) -> bool {
-        let states = plan.states(planes, g);
+        self.fits_rows(plan, planes.batch, planes, g)
+    }
+
+    /// Whether it holds the states of `plan` over `rows` launch rows.
+    fn fits_rows(&self, plan: &Plan, rows: usize, planes: &GpuPlanes, g: usize) -> bool {
+        let states = rows * planes.kv_heads * g * plan.splits;
         self.ml.len() >= states * 2 && self.acc.len() >= states * planes.d
     }
 }

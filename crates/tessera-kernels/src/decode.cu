@@ -29,10 +29,15 @@ typedef unsigned short u16;
 #define SPAN_ROWS 256
 struct Spans {
     int row0;
+    int nq; // launch rows per stored row: a chunk's queries read as decode rows (1: decode)
     int start[SPAN_ROWS];
     int end[SPAN_ROWS];
     int* live;
 };
+
+// Slot of position-space index p of a span: a span may run past the planes' end and on
+// from slot 0 (a wrapped ring read in position order, deterministic mode).
+__device__ __forceinline__ int slot_at(int p, int capacity) { return p < capacity ? p : p - capacity; }
 
 // Positions [lo, hi) that split `split` of launch row z reads. Called after the wait for the
 // launch before (a live span is written by the previous step's merge).
@@ -237,6 +242,7 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
                   ) {
     release_dependents();
     wait_for_prior();
+    // b: the launch row (its query, partials and output); its stored row b / nq.
     const int split = blockIdx.x, h = blockIdx.y, b = spans.row0 + blockIdx.z;
 #if CODEC == 1
     for (int i = threadIdx.x; i < 2 * 256; i += WARPS * 32) turbo_levels[i / 256][i % 256] = levels[i];
@@ -245,7 +251,7 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
     const int splits = gridDim.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int sub = lane / LPR, e0 = (lane % LPR) * 8;
-    const long block_rows = ((long)b * kv_heads + h) * capacity;
+    const long block_rows = ((long)(b / spans.nq) * kv_heads + h) * capacity;
     int lo, hi;
     split_range(spans, blockIdx.z, split, splits, chunk, lo, hi);
 
@@ -270,7 +276,7 @@ kv_decode_partial(const float* __restrict__ q, float qscale, const u32* __restri
         for (int u = 0; u < UNROLL; u++) {
             const int pos = base + u * step + sub;
             valid[u] = pos < hi;
-            const long row = block_rows + (valid[u] ? pos : lo);
+            const long row = block_rows + slot_at(valid[u] ? pos : lo, capacity);
             kr[u] = load_raw<0>(kdata, kparams, row, e0);
             vr[u] = load_raw<1>(vdata, vparams, row, e0);
         }
@@ -1363,11 +1369,13 @@ __device__ __forceinline__ void fwht_block(float* x) {
 // head = vec / G), R = H · diag(signs) / √D.
 extern "C" __global__ void __launch_bounds__(D)
 turbo_rotate_queries(const float* __restrict__ q, float* __restrict__ qr,
-                     const float* __restrict__ scale, const float* __restrict__ signs) {
+                     const float* __restrict__ scale, const float* __restrict__ signs,
+                     int kv_heads, int nq) {
     __shared__ float x[D];
     const long vec = blockIdx.x;
     const int i = threadIdx.x;
-    const long block = vec / G;
+    // The stored block (row · kv_heads + head) of launch row vec / G / kv_heads.
+    const long head = vec / G % kv_heads, block = vec / G / kv_heads / nq * kv_heads + head;
     x[i] = q[vec * D + i] * scale[block * D + i] * signs[i];
     fwht_block(x);
     qr[vec * D + i] = x[i] * (1.f / sqrtf((float)D));

@@ -464,7 +464,10 @@ impl Q4Matrix {
         // SAFETY: the launches below write every element before anything reads it.
         let mut y = unsafe { stream.alloc::<f32>(m * self.n)? };
         let (n, k, ld) = (self.n as i32, self.k as i32, x.ld as i32);
-        let split = m <= self.kernels.split_up_to;
+        // Deterministic mode: every row split and every launch one shape (the matrix's at
+        // two n8 tiles), so a row's sums do not depend on the rows beside it.
+        let deterministic = tessera_models::device_weights::deterministic();
+        let split = deterministic || m <= self.kernels.split_up_to;
         let per_launch = rows_per_launch(split);
         let words = n_tiles(m.min(per_launch), split) * self.k * 4;
         let mut scratch = self
@@ -545,7 +548,10 @@ impl Q4Matrix {
                     unsafe { l.launch(&self.kernels.gated_inputs, inputs_cfg)? };
                 }
             }
-            let shape = fixed.unwrap_or_else(|| self.kernels.shapes.for_launch(self.n, nt));
+            let shape = fixed.unwrap_or_else(|| {
+                let nt = if deterministic { 2 } else { nt };
+                self.kernels.shapes.for_launch(self.n, nt)
+            });
             let cfg = LaunchConfig {
                 grid_dim: ((self.n / Q4_0_ROWS).div_ceil(shape.tiles) as u32, 1, 1),
                 block_dim: ((32 * shape.warps) as u32, 1, 1),
@@ -711,7 +717,8 @@ impl Q4Matrix {
 
     /// The path the model takes for `m` input rows.
     fn path(&self, m: usize) -> Path {
-        if m >= GEMM_FROM {
+        // cuBLAS picks its kernel (and sum order) by the row count: not in deterministic mode.
+        if m >= GEMM_FROM && !tessera_models::device_weights::deterministic() {
             Path::Gemm
         } else {
             Path::Mma(None)

@@ -7,6 +7,7 @@
 use candle_core::quantized::QTensor;
 use candle_core::{Result, Tensor};
 use std::any::Any;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 /// One weight matrix (`out_features × in_features`) in a backend's layout, on its device.
@@ -140,6 +141,22 @@ pub fn residual_sum(x: &Tensor, add: Option<&Tensor>) -> Result<Tensor> {
 }
 
 static BACKEND: OnceLock<Box<dyn WeightBackend>> = OnceLock::new();
+
+static DETERMINISTIC: AtomicBool = AtomicBool::new(false);
+
+/// Batch-invariant numerics on the device (`--deterministic`): every matmul gives a row the
+/// bits it gets alone (candle's quantized matmuls one row a launch, the weight backend one
+/// launch shape and input precision whatever the row count), and the KV backend reads each
+/// query with one kernel and fixed splits anchored at its first position. The CPU paths are
+/// batch-invariant always; this switch costs GPU speed, so it is a mode.
+pub fn set_deterministic(on: bool) {
+    DETERMINISTIC.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_deterministic`] turned the mode on.
+pub fn deterministic() -> bool {
+    DETERMINISTIC.load(Ordering::Relaxed)
+}
 
 /// Installs the process's weight backend; a second call keeps the first.
 pub fn install(backend: Box<dyn WeightBackend>) {

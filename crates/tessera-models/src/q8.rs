@@ -982,6 +982,25 @@ impl Linear {
                     }
                 }
             }
+            // Deterministic mode on a device: candle's kernels pick their launch shape (and
+            // so each output's sum order) by the row count, so each row gets a launch alone.
+            Linear::Candle(m)
+                if crate::device_weights::deterministic()
+                    && !x.device().is_cpu()
+                    && x.elem_count() > 0 =>
+            {
+                let dims = x.dims().to_vec();
+                let k = *dims.last().unwrap_or(&0);
+                let flat = x.reshape(((), k))?;
+                let rows = (0..flat.dim(0)?)
+                    .map(|r| candle_core::Module::forward(m, &flat.narrow(0, r, 1)?))
+                    .collect::<Result<Vec<_>>>()?;
+                let y = Tensor::cat(&rows, 0)?;
+                let mut out = dims;
+                out.pop();
+                out.push(y.dim(1)?);
+                y.reshape(out)
+            }
             Linear::Candle(m) => candle_core::Module::forward(m, x),
         }
     }
