@@ -86,12 +86,27 @@ fn deterministic_mode_gives_the_one_row_logits_on_cuda() {
         ("qwen2", "tiny-256", "q4_0", only("mix"), Runs::All),
         ("llama", "tiny-256", "q4_k", only("mix"), Runs::Kernels),
     ];
+    // Every case and scheme checked, each on its own, so that one run names every miss.
+    let mut missed = Vec::new();
     for (arch, preset, dtype, schemes, runs) in cases {
         let model = synthetic(arch, preset, dtype);
         let (prompt, pool) = tokens(model.vocab_size());
-        let name = format!("{arch} {preset} {dtype} on CUDA");
-        let t = std::time::Instant::now();
-        check_model(&model, &name, &prompt, &pool, &schemes, runs);
-        eprintln!("{name}: bit-identical, {:.1} s", t.elapsed().as_secs_f64());
+        for scheme in schemes {
+            let name = format!("{arch} {preset} {dtype} {} on CUDA", scheme.0);
+            let t = std::time::Instant::now();
+            let run = std::panic::AssertUnwindSafe(|| {
+                check_model(&model, &name, &prompt, &pool, &[scheme.clone()], runs)
+            });
+            let held = std::panic::catch_unwind(run).is_ok();
+            eprintln!(
+                "{name}: {}, {:.1} s",
+                if held { "bit-identical" } else { "DIFFERS" },
+                t.elapsed().as_secs_f64()
+            );
+            if !held {
+                missed.push(name);
+            }
+        }
     }
+    assert!(missed.is_empty(), "deterministic mode missed: {missed:?}");
 }
