@@ -377,20 +377,6 @@ impl std::fmt::Debug for CudaPlanes {
 }
 
 /// A launch over `n` independent items (the kernels loop grid-stride).
-/// A row's slots as one span in position order for planes of `capacity` slots: a wrapped
-/// ring's `[a, capacity)` then `[0, e)` as `(a, capacity + e)` (the decode kernel reads slot
-/// `p - capacity` past the end), so that a deterministic read sums a row's positions from its
-/// first whatever slot the ring put it in.
-fn position_span(row: &RowSlots, capacity: usize) -> Option<(usize, usize)> {
-    match row.ranges.as_slice() {
-        [a] => Some((a.start, a.end)),
-        [a, e] if a.end == capacity && e.start == 0 && e.end <= a.start => {
-            Some((a.start, capacity + e.end))
-        }
-        _ => None,
-    }
-}
-
 fn grid(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems((n.clamp(1, 1 << 22)) as u32)
 }
@@ -1329,7 +1315,7 @@ impl Planes for CudaPlanes {
             .iter()
             .map(|r| {
                 if deterministic {
-                    position_span(r, capacity)
+                    r.position_run(capacity).map(|s| (s.start, s.end))
                 } else {
                     r.single_span().map(|s| (s.start, s.end))
                 }

@@ -51,6 +51,21 @@ impl RowSlots {
             _ => None,
         }
     }
+
+    /// The row's slots as one run in position order over planes of `capacity` slots: a
+    /// wrapped ring's `[a, capacity)` then `[0, e)` is `a .. capacity + e`, slot `p -
+    /// capacity` past the end. A read that walks it sums the row's positions from its
+    /// first whatever slot the ring put that in (a device's deterministic mode). `None`
+    /// where the ranges are not one run.
+    pub fn position_run(&self, capacity: usize) -> Option<Range<usize>> {
+        match self.ranges.as_slice() {
+            [a] => Some(a.clone()),
+            [a, e] if a.end == capacity && e.start == 0 && e.end <= a.start => {
+                Some(a.start..capacity + e.end)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Where one row of a chunk read sits in time: its queries are physical positions
@@ -477,6 +492,23 @@ pub(crate) fn from_bytes<T: bytemuck::Pod>(b: &[u8], what: &str) -> Result<Vec<T
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_wrapped_ring_is_one_run_in_position_order() {
+        let row = |ranges: Vec<std::ops::Range<usize>>| super::RowSlots {
+            ranges,
+            first_position: 0,
+        };
+        assert_eq!(row(vec![3..9]).position_run(16), Some(3..9));
+        // Oldest positions in slots 10..16, the newest in 0..4: one run 10..20.
+        assert_eq!(row(vec![10..16, 0..4]).position_run(16), Some(10..20));
+        // The whole ring, wrapped at slot 5.
+        assert_eq!(row(vec![5..16, 0..5]).position_run(16), Some(5..21));
+        // Not one run: a gap before the end, or ranges that overlap.
+        assert_eq!(row(vec![10..15, 0..4]).position_run(16), None);
+        assert_eq!(row(vec![10..16, 0..12]).position_run(16), None);
+        assert_eq!(row(vec![10..16, 2..4]).position_run(16), None);
+    }
+
     use super::{keeps_in_place, resize_rows};
 
     #[test]
