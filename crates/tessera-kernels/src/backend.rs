@@ -377,6 +377,10 @@ impl std::fmt::Debug for CudaPlanes {
 }
 
 /// A launch over `n` independent items (the kernels loop grid-stride).
+/// Partial softmax states one deterministic chunk read's launch may write (each `d + 2`
+/// floats: 270 MB at d = 128).
+const DETERMINISTIC_STATES: usize = 1 << 19;
+
 fn grid(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems((n.clamp(1, 1 << 22)) as u32)
 }
@@ -1755,39 +1759,55 @@ impl CudaPlanes {
                 geometry.slots, planes.capacity
             )));
         }
-        let spans: Vec<(usize, usize)> = (0..b)
-            .flat_map(|r| (0..n).map(move |i| (r, i)))
-            .map(|(r, i)| {
-                let v = geometry.visible(r, i);
-                (v.start, v.end)
-            })
-            .collect();
+        // Positions [start, end) query i of row r sees, for queries `range` of every row,
+        // row-major: the launch rows of one decode read.
+        let spans_of = |range: Range<usize>| -> Vec<(usize, usize)> {
+            (0..b)
+                .flat_map(|r| range.clone().map(move |i| (r, i)))
+                .map(|(r, i)| {
+                    let v = geometry.visible(r, i);
+                    (v.start, v.end)
+                })
+                .collect()
+        };
+        let max_len = spans_of(0..n).iter().map(|s| s.1 - s.0).max().unwrap_or(0);
+        // One plan for every group (a row's splits past its end merge as exact zeros), and
+        // groups of queries whose partial states stay under DETERMINISTIC_STATES: a long
+        // chunk at a long context would otherwise ask for gigabytes of scratch.
+        let plan = Plan::deterministic(max_len);
+        let per_group = (DETERMINISTIC_STATES / (b * qh * plan.splits).max(1)).clamp(1, n.max(1));
         let g = qh / geo.heads;
         let k = &self.kernels;
-        // Queries as launch rows: (b, n, qh, d), row r's query i at r · n + i.
-        let rows_q = f32_storage(&q.transpose(1, 2)?.contiguous()?)?;
-        let max_len = spans.iter().map(|s| s.1 - s.0).max().unwrap_or(0);
-        let plan = Plan::deterministic(max_len);
-        let out = with_f32(&rows_q, |qs, offset| {
-            let qs = qs.slice(offset..);
-            let read = &k.read;
-            let mut scratch = read.scratch_rows(&plan, b * n, planes, g)?;
-            // SAFETY: the merge writes every element of `out` before anything reads it.
-            let mut out = unsafe { read.stream.alloc::<f32>(b * n * qh * d)? };
-            read.decode(
-                &plan,
-                planes,
-                g,
-                &qs,
-                scale,
-                &spans,
-                None,
-                &mut scratch,
-                &mut out,
-            )?;
-            Ok(out)
-        })?;
-        Ok(wrap(k, out, &[b, n, qh, d]).transpose(1, 2)?.contiguous()?)
+        let read = &k.read;
+        let mut scratch = read
+            .scratch_rows(&plan, b * per_group, planes, g)
+            .map_err(device_error)?;
+        let mut outs = Vec::new();
+        for first in (0..n).step_by(per_group) {
+            let m = per_group.min(n - first);
+            let spans = spans_of(first..first + m);
+            // The group's queries as launch rows: (b, m, qh, d), row r's query i at r · m + i.
+            let rows_q = f32_storage(&q.narrow(2, first, m)?.transpose(1, 2)?.contiguous()?)?;
+            let out = with_f32(&rows_q, |qs, offset| {
+                let qs = qs.slice(offset..);
+                // SAFETY: the merge writes every element of `out` before anything reads it.
+                let mut out = unsafe { read.stream.alloc::<f32>(b * m * qh * d)? };
+                read.decode(
+                    &plan,
+                    planes,
+                    g,
+                    &qs,
+                    scale,
+                    &spans,
+                    None,
+                    &mut scratch,
+                    &mut out,
+                )?;
+                Ok(out)
+            })?;
+            outs.push(wrap(k, out, &[b, m, qh, d]));
+        }
+        Ok(Tensor::cat(&outs, 1)?.transpose(1, 2)?.contiguous()?)
     }
 
     /// The fused chunk read where this codec and shape have one (see `Planes::chunk`).
