@@ -962,24 +962,7 @@ impl Linear {
                     Some(y) => Ok(y),
                     // Another type: candle's matmul a row at a time, so that a row's output
                     // does not depend on the rows beside it (see `row_matmul`).
-                    None => {
-                        let dims = x.dims().to_vec();
-                        let k = *dims.last().unwrap_or(&0);
-                        let flat = x.reshape(((), k))?;
-                        let rows = (0..flat.dim(0)?)
-                            .map(|r| {
-                                candle_core::Module::forward(
-                                    &candle_core::quantized::QMatMul::QTensor(w.clone()),
-                                    &flat.narrow(0, r, 1)?,
-                                )
-                            })
-                            .collect::<Result<Vec<_>>>()?;
-                        let y = Tensor::cat(&rows, 0)?;
-                        let mut out = dims;
-                        out.pop();
-                        out.push(y.dim(1)?);
-                        y.reshape(out)
-                    }
+                    None => per_row(&candle_core::quantized::QMatMul::QTensor(w.clone()), x),
                 }
             }
             // Deterministic mode on a device: candle's kernels pick their launch shape (and
@@ -989,21 +972,27 @@ impl Linear {
                     && !x.device().is_cpu()
                     && x.elem_count() > 0 =>
             {
-                let dims = x.dims().to_vec();
-                let k = *dims.last().unwrap_or(&0);
-                let flat = x.reshape(((), k))?;
-                let rows = (0..flat.dim(0)?)
-                    .map(|r| candle_core::Module::forward(m, &flat.narrow(0, r, 1)?))
-                    .collect::<Result<Vec<_>>>()?;
-                let y = Tensor::cat(&rows, 0)?;
-                let mut out = dims;
-                out.pop();
-                out.push(y.dim(1)?);
-                y.reshape(out)
+                per_row(m, x)
             }
             Linear::Candle(m) => candle_core::Module::forward(m, x),
         }
     }
+}
+
+/// `x · Wᵀ` by candle's matmul one row of `x` at a time (each row's sums in the order a
+/// one-row launch has, whatever the rows beside it).
+fn per_row(m: &candle_core::quantized::QMatMul, x: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let k = *dims.last().unwrap_or(&0);
+    let flat = x.reshape(((), k))?;
+    let rows = (0..flat.dim(0)?)
+        .map(|r| candle_core::Module::forward(m, &flat.narrow(0, r, 1)?))
+        .collect::<Result<Vec<_>>>()?;
+    let y = Tensor::cat(&rows, 0)?;
+    let mut out = dims;
+    out.pop();
+    out.push(y.dim(1)?);
+    y.reshape(out)
 }
 
 /// Several projections of the same input: one stacked matmul where the parts allow it (all
