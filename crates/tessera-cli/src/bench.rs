@@ -6,8 +6,8 @@ use anyhow::{bail, Result};
 use std::path::Path;
 use std::time::Instant;
 use tessera_engine::{
-    prompt_cache, Batch, BatchLimits, BatchTimes, Event, GenerationRequest, SamplerConfig, Session,
-    DEFAULT_PREFILL_CHUNK,
+    prompt_cache, Batch, BatchLimits, BatchTimes, Event, GenerationRequest, SamplerConfig,
+    Sequence, Session, DEFAULT_PREFILL_CHUNK,
 };
 use tessera_kv::KvScheme;
 use tessera_models::Model;
@@ -118,9 +118,9 @@ fn decode_times(
     let mut batch = engine(model, scheme, rows)?.allowing_steps_ahead(steps_ahead);
     let max_tokens = decode_tokens(rows, steps);
     for _ in 0..rows {
-        let cache = session.cache().extract(0)?;
+        let held = Sequence::new(context[..held].to_vec(), session.cache().extract(0)?)?;
         batch
-            .add_resumed(greedy(context.to_vec(), max_tokens), cache, held)
+            .add_resumed(greedy(context.to_vec(), max_tokens), held)
             .map_err(|refused| refused.error)?;
     }
     let mut digest = TokenDigest::default();

@@ -17,6 +17,7 @@ use tessera_engine::store::{self, FetchEvent};
 use tessera_engine::{SamplerConfig, Session, StopReason, TextStream, DEFAULT_PREFILL_CHUNK};
 use tessera_kv::{Isa, KvScheme};
 use tessera_models::{GgufFile, LoadOptions, Model, Tokenizer};
+use tessera_server::engine::{Drafting, ServeSpec};
 
 /// Runs `f` with a progress callback that draws a bar on stderr (steps as lines above it).
 fn with_progress<T>(
@@ -45,11 +46,12 @@ fn with_progress<T>(
 /// The model file `--model` names (a path, or a registry name fetched on first use), or
 /// the default model.
 pub fn model_path(args: &ModelArgs) -> Result<PathBuf> {
-    resolve_model(args.model.as_deref())
+    resolve_model(args.model.as_deref(), "--model")
 }
 
-fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
-    with_progress(|p| store::resolve_model(arg, p))
+/// The model file `arg` names (`flag` is the option that named it, for its errors).
+fn resolve_model(arg: Option<&Path>, flag: &str) -> Result<PathBuf> {
+    with_progress(|p| store::resolve_model(arg, flag, p))
 }
 
 /// The device `--device` names; for CUDA, with the KV backend installed (timing its
@@ -244,7 +246,13 @@ fn sampler(args: &SampleArgs) -> Result<SamplerConfig> {
     };
     // The engine names the setting as OpenAI spells it (`top_p`); the flag is `--top-p`.
     config.validate().map_err(|e| match e {
-        tessera_engine::EngineError::Invalid(m) => anyhow::anyhow!("--{}", m.replace('_', "-")),
+        tessera_engine::EngineError::Field { field, message } => {
+            let flag = field.replace('_', "-");
+            anyhow::anyhow!(
+                "--{flag}{}",
+                message.strip_prefix(field).unwrap_or(&message)
+            )
+        }
         e => e.into(),
     })?;
     Ok(config)
@@ -353,9 +361,9 @@ pub fn generate(
     };
     let (mut session, reused, scheme) =
         open_session(&model, kv, &ids, prefill_chunk, prompt_cache, spec.slack())?;
-    let mut drafter = choice
+    let batch_spec = choice
         .as_ref()
-        .map(|c| c.drafter(draft.as_ref(), &model, &scheme, spec.draft_tokens, &sampler))
+        .map(|c| c.batch_spec(draft.as_ref(), spec.draft_tokens))
         .transpose()?;
     let mut stream = TextStream::new();
     let mut out = std::io::stdout().lock();
@@ -367,8 +375,7 @@ pub fn generate(
         sampler,
         max_tokens,
         stops,
-        drafter.as_deref_mut(),
-        spec.draft_tokens,
+        batch_spec,
         !margs.no_steps_ahead,
         |t| {
             let piece = stream.push(&tok, t)?;
@@ -423,13 +430,6 @@ pub fn generate(
     Ok(())
 }
 
-/// How many leading tokens of `held` (what the cache holds) `next` (the new render)
-/// shares, short of all of `next`: at least one new token must be fed to get logits.
-fn reusable_prefix(held: &[u32], next: &[u32]) -> usize {
-    let common = held.iter().zip(next).take_while(|(a, b)| a == b).count();
-    common.min(next.len().saturating_sub(1))
-}
-
 pub fn chat(
     margs: &ModelArgs,
     max_tokens: usize,
@@ -481,11 +481,11 @@ pub fn chat(
         })
     };
     let mut session = fresh_session()?;
-    // One drafter for the whole conversation: a draft model's cache follows each turn's
-    // history, keeping what it shares with the last.
-    let mut drafter = choice
+    // Each turn's drafter reads the conversation anew (a draft model's cache is per
+    // generation, as a batch row's is).
+    let batch_spec = choice
         .as_ref()
-        .map(|c| c.drafter(draft.as_ref(), &model, &scheme, spec.draft_tokens, &sampler))
+        .map(|c| c.batch_spec(draft.as_ref(), spec.draft_tokens))
         .transpose()?;
     let mut history: Vec<Message> = Vec::new();
     let stdin = std::io::stdin();
@@ -524,14 +524,12 @@ pub fn chat(
                 continue;
             }
         };
-        let keep = reusable_prefix(session.tokens(), &ids);
-        // Never below the reuse floor: a fresh cache would hold those positions in bf16.
-        let floor = session.cache().minimum_reusable_offset().unwrap_or(0);
-        let keep = if keep >= floor && session.truncate(keep).is_ok() {
+        // The one reuse rule: the shared prefix, unless the reuse floor or a ring that has
+        // overwritten what its window needs again stops it (then the cache starts over).
+        let keep = session.reuse_for(&ids).tokens;
+        let keep = if keep > 0 && session.truncate(keep).is_ok() {
             keep
         } else {
-            // A sliding-window ring that has overwritten positions its window needs again cannot
-            // drop them: start the cache over.
             session = Session::new(&model, &scheme, prefill_chunk)?.with_round_slack(spec.slack());
             0
         };
@@ -543,8 +541,7 @@ pub fn chat(
             sampler.clone(),
             max_tokens,
             stops.clone(),
-            drafter.as_deref_mut(),
-            spec.draft_tokens,
+            batch_spec,
             !margs.no_steps_ahead,
             |t| {
                 reply.push(t);
@@ -679,17 +676,11 @@ pub struct ServeArgs {
 }
 
 pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
-    let spec = match args.spec.choice()? {
-        None => None,
-        Some(spec::SpecChoice::Ngram(d)) => Some(tessera_engine::BatchSpec {
-            ngram: d.n,
-            max_draft: args.spec.draft_tokens,
-        }),
-        Some(spec::SpecChoice::Model(_)) => bail!(
-            "--draft-model: serve drafts by prompt lookup (--spec ngram); a draft model \
-             inside batches is not built"
-        ),
-    };
+    let choice = args.spec.choice()?;
+    if let Some(spec::SpecChoice::Model(p)) = &choice {
+        // Named before the model loads, as every other bad flag is.
+        resolve_model(Some(p), "--draft-model")?;
+    }
     if args.max_batch == 0 {
         bail!("--max-batch must be at least 1");
     }
@@ -719,6 +710,23 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
     let path = model_path(margs)?;
     let (model, tok) = load(margs)?;
     notice_scheme(&model, &scheme);
+    let max_draft = args.spec.draft_tokens;
+    let spec = match &choice {
+        None => None,
+        Some(choice) => {
+            let drafting = match (choice, choice.load(margs, &tok)?) {
+                (spec::SpecChoice::Ngram(d), _) => Drafting::Ngram(d.n),
+                (_, Some(draft)) => Drafting::Model(Box::new(draft.model)),
+                (spec::SpecChoice::Model(p), None) => {
+                    bail!("the draft model {} did not load", p.display())
+                }
+            };
+            Some(ServeSpec {
+                drafting,
+                max_draft,
+            })
+        }
+    };
     // A model whose template does not compile still serves completions.
     let template = match chat_template(&tok) {
         Ok(t) => Some(t),
@@ -740,9 +748,11 @@ pub fn serve(margs: &ModelArgs, kv: &KvArgs, args: ServeArgs) -> Result<()> {
         max_queue: args.max_queue,
     };
     // Refuse bad limits before listening.
-    let probe = tessera_engine::Batch::new(&model, &scheme, args.prefill_chunk, limits)?;
-    if let Some(spec) = spec {
-        probe.with_speculation(spec)?;
+    {
+        let probe = tessera_engine::Batch::new(&model, &scheme, args.prefill_chunk, limits)?;
+        if let Some(spec) = &spec {
+            probe.with_speculation(spec.batch_spec())?;
+        }
     }
     let config = tessera_server::ServerConfig {
         host: args.host,
@@ -1025,7 +1035,7 @@ pub fn fetch_vocab(force: bool) -> Result<()> {
 }
 
 pub fn info(model: Option<&Path>) -> Result<()> {
-    let path = resolve_model(model)?;
+    let path = resolve_model(model, "--model")?;
     let g = GgufFile::open(&path)?;
     let arch = g.architecture()?;
     let key = |k: &str| format!("{arch}.{k}");
@@ -1085,21 +1095,4 @@ pub fn synth(arch: &str, preset: &str, out: &Path, dtype: &str, seed: u64) -> Re
         t.elapsed().as_secs_f64()
     );
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::reusable_prefix;
-
-    #[test]
-    fn a_chat_turn_reuses_the_prefix_the_cache_shares() {
-        // The cache: the previous prompt and reply; the new render adds a turn.
-        assert_eq!(reusable_prefix(&[1, 2, 3, 4], &[1, 2, 3, 4, 5, 6]), 4);
-        // The reply re-tokenized differently: back to where they part.
-        assert_eq!(reusable_prefix(&[1, 2, 3, 9], &[1, 2, 3, 4, 5]), 3);
-        // Always one token left to feed, even when the render is all cached.
-        assert_eq!(reusable_prefix(&[1, 2, 3], &[1, 2, 3]), 2);
-        assert_eq!(reusable_prefix(&[], &[1, 2]), 0);
-        assert_eq!(reusable_prefix(&[7], &[]), 0);
-    }
 }

@@ -7,9 +7,8 @@ use crate::ModelArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
-use tessera_engine::speculative::{Drafter, ModelDrafter, NgramDrafter, SpecStats, Speculative};
-use tessera_engine::{Generation, SamplerConfig, Session, StopReason};
-use tessera_kv::KvScheme;
+use tessera_engine::speculative::{NgramDrafter, SpecStats};
+use tessera_engine::{BatchSpec, Generation, SamplerConfig, Session, StopReason};
 use tessera_models::{Model, Tokenizer};
 
 /// Speculative decoding.
@@ -125,20 +124,15 @@ impl SpecChoice {
         }
     }
 
-    /// A drafter for one generation.
-    pub fn drafter<'m>(
+    /// The speculation of a generation or a batch, drafting up to `max_draft` a round.
+    pub fn batch_spec<'m>(
         &self,
         draft: Option<&'m DraftModel>,
-        target: &Model,
-        scheme: &KvScheme,
         max_draft: usize,
-        sampler: &SamplerConfig,
-    ) -> Result<Box<dyn Drafter + 'm>> {
+    ) -> Result<BatchSpec<'m>> {
         Ok(match (self, draft) {
-            (SpecChoice::Ngram(d), _) => Box::new(*d),
-            (SpecChoice::Model(_), Some(m)) => Box::new(ModelDrafter::new(
-                &m.model, target, scheme, max_draft, sampler,
-            )?),
+            (SpecChoice::Ngram(d), _) => BatchSpec::ngram(d.n, max_draft),
+            (SpecChoice::Model(_), Some(m)) => BatchSpec::model(&m.model, max_draft),
             (SpecChoice::Model(p), None) => bail!("the draft model {} is not loaded", p.display()),
         })
     }
@@ -176,50 +170,32 @@ pub struct Outcome {
     pub steps_ahead: usize,
 }
 
-/// Feeds `prompt` into `session` and generates up to `max_tokens`, plainly or with
-/// `drafter` (drafting up to `max_draft` tokens a round); each token goes to `emit`.
-/// `steps_ahead` false: a plain generation waits for each step's tokens before queueing the
-/// next (it otherwise runs ahead where its device allows: `Batch::with_steps_ahead`).
+/// Feeds `prompt` into `session` and generates up to `max_tokens`, plainly or with `spec`;
+/// each token goes to `emit`. `steps_ahead` false: a plain generation waits for each step's
+/// tokens before queueing the next (it otherwise runs ahead where its device allows:
+/// `Batch::with_steps_ahead`).
 #[allow(clippy::too_many_arguments)]
-pub fn run<'d>(
-    session: &mut Session,
+pub fn run<'m>(
+    session: &mut Session<'m>,
     prompt: &[u32],
     sampler: SamplerConfig,
     max_tokens: usize,
     stops: Vec<u32>,
-    drafter: Option<&mut (dyn Drafter + 'd)>,
-    max_draft: usize,
+    spec: Option<BatchSpec<'m>>,
     steps_ahead: bool,
     mut emit: impl FnMut(u32) -> Result<()>,
 ) -> Result<Outcome> {
-    match drafter {
-        None => {
-            let mut gen = Generation::new(session, prompt, sampler, max_tokens, stops)?;
-            gen.allow_steps_ahead(steps_ahead);
-            for t in gen.by_ref() {
-                emit(t?)?;
-            }
-            Ok(Outcome {
-                reason: gen.stop_reason(),
-                stop_token: gen.stop_token(),
-                spec: None,
-                steps_ahead: gen.steps_ahead(),
-            })
-        }
-        Some(d) => {
-            let mut gen =
-                Speculative::new(session, prompt, d, max_draft, sampler, max_tokens, stops)?;
-            for t in gen.by_ref() {
-                emit(t?)?;
-            }
-            Ok(Outcome {
-                reason: gen.stop_reason(),
-                stop_token: gen.stop_token(),
-                spec: Some(gen.stats().clone()),
-                steps_ahead: 0,
-            })
-        }
+    let mut gen = Generation::with_spec(session, prompt, sampler, max_tokens, stops, spec)?;
+    gen.allow_steps_ahead(steps_ahead);
+    for t in gen.by_ref() {
+        emit(t?)?;
     }
+    Ok(Outcome {
+        reason: gen.stop_reason(),
+        stop_token: gen.stop_token(),
+        spec: spec.map(|_| gen.spec_stats().clone()),
+        steps_ahead: gen.steps_ahead(),
+    })
 }
 
 /// `tessera bench --spec …|--draft-model … --prompt-file F`: greedy decode of `gen_tokens`
@@ -251,42 +227,38 @@ pub fn bench(
     let draft = choice.load(margs, &tok)?;
     let prompt = tok.encode(&text, true)?;
     let greedy = SamplerConfig::default();
+    let max_draft = spec.draft_tokens;
     let mut plain_rates = Vec::new();
     let mut spec_rates = Vec::new();
     let mut stats = SpecStats::default();
     let mut same = true;
     for round in 0..=repeat {
-        let timed =
-            |drafter: Option<&mut dyn Drafter>| -> Result<(f64, Vec<u32>, Option<SpecStats>)> {
-                let mut session =
-                    Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?
-                        .with_round_slack(spec.draft_tokens);
-                let mut out = Vec::new();
-                let mut first = None;
-                let outcome = run(
-                    &mut session,
-                    &prompt,
-                    greedy.clone(),
-                    gen_tokens,
-                    Vec::new(),
-                    drafter,
-                    spec.draft_tokens,
-                    !margs.no_steps_ahead,
-                    |t| {
-                        out.push(t);
-                        first.get_or_insert_with(std::time::Instant::now);
-                        Ok(())
-                    },
-                )?;
-                let rate = first.map_or(0.0, |t| {
-                    (out.len().max(1) - 1) as f64 / t.elapsed().as_secs_f64().max(1e-9)
-                });
-                Ok((rate, out, outcome.spec))
-            };
+        let timed = |spec: Option<BatchSpec>| -> Result<(f64, Vec<u32>, Option<SpecStats>)> {
+            let mut session = Session::new(&model, &scheme, tessera_engine::DEFAULT_PREFILL_CHUNK)?
+                .with_round_slack(max_draft);
+            let mut out = Vec::new();
+            let mut first = None;
+            let outcome = run(
+                &mut session,
+                &prompt,
+                greedy.clone(),
+                gen_tokens,
+                Vec::new(),
+                spec,
+                !margs.no_steps_ahead,
+                |t| {
+                    out.push(t);
+                    first.get_or_insert_with(std::time::Instant::now);
+                    Ok(())
+                },
+            )?;
+            let rate = first.map_or(0.0, |t| {
+                (out.len().max(1) - 1) as f64 / t.elapsed().as_secs_f64().max(1e-9)
+            });
+            Ok((rate, out, outcome.spec))
+        };
         let (plain_rate, plain_out, _) = timed(None)?;
-        let mut drafter =
-            choice.drafter(draft.as_ref(), &model, &scheme, spec.draft_tokens, &greedy)?;
-        let (spec_rate, spec_out, st) = timed(Some(drafter.as_mut()))?;
+        let (spec_rate, spec_out, st) = timed(Some(choice.batch_spec(draft.as_ref(), max_draft)?))?;
         same &= plain_out == spec_out;
         if round > 0 {
             plain_rates.push(plain_rate);

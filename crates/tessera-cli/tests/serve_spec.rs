@@ -272,3 +272,72 @@ fn bad_speculation_flags_are_refused_before_anything_loads() {
         );
     }
 }
+
+#[test]
+fn a_draft_model_serves_every_row_of_the_batch_and_replies_as_plain() {
+    // The model drafting for itself (its own file as --draft-model), one cache per row:
+    // greedy replies equal a plain server's on a 16-bit and a 4-bit cache, sampled and
+    // streamed requests go through the same rounds.
+    let paragraphs = paragraphs();
+    let requests: Vec<Value> = (0..REQUESTS).map(|i| request(&paragraphs, i)).collect();
+    let draft = common::model();
+    for kv in ["bf16", "affine:4"] {
+        let plain = {
+            let server = Server::start(&["--max-batch", "4", "--kv", kv]);
+            concurrently(&server, &requests)
+        };
+        let server = Server::start(&[
+            "--max-batch",
+            "4",
+            "--kv",
+            kv,
+            "--draft-model",
+            draft.to_str().unwrap(),
+            "--draft-tokens",
+            "4",
+        ]);
+        let spec = concurrently(&server, &requests);
+        for (i, (got, want)) in spec.iter().zip(&plain).enumerate() {
+            assert_eq!(got, want, "{kv}: request {i}: --draft-model vs plain");
+        }
+        let m = server.metrics();
+        let drafted = metric(&m, "tessera_spec_drafted_tokens_total");
+        let accepted = metric(&m, "tessera_spec_accepted_tokens_total");
+        assert!(drafted > 0.0 && accepted > 0.0, "{kv}: {m:?}");
+        let mut body = requests[1].clone();
+        body["temperature"] = json!(0.8);
+        body["seed"] = json!(11);
+        body["stream"] = json!(true);
+        let r = server.post("/v1/completions", &body);
+        assert_eq!(r.status, 200, "{kv}: {}", r.text());
+        let events = sse_events(r.text());
+        assert!(
+            events
+                .iter()
+                .any(|e| e["choices"][0]["finish_reason"].is_string()),
+            "{kv}: {}",
+            r.text()
+        );
+    }
+}
+
+#[test]
+fn a_draft_model_of_another_vocabulary_is_refused_at_serve() {
+    let qwen = common::qwen();
+    let model = common::model();
+    let (code, _, err) = tessera(&[
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        model.to_str().unwrap(),
+        "--draft-model",
+        qwen.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0, "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("--draft-model") && err.contains("vocabulary"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

@@ -17,6 +17,14 @@ pub enum EngineError {
     #[error("invalid setting: {0}")]
     Invalid(String),
 
+    /// A request field that failed validation: the field as the APIs name it (`temperature`,
+    /// `top_logprobs`, `prompt`, …) and why, so a server names it without reading the text.
+    #[error("invalid setting: {message}")]
+    Field {
+        field: &'static str,
+        message: String,
+    },
+
     #[error("{0}")]
     Fetch(String),
 
@@ -38,4 +46,33 @@ pub enum EngineError {
 
     #[error("tensor operation failed: {0}")]
     Tensor(#[from] candle_core::Error),
+}
+
+impl EngineError {
+    /// A [`EngineError::Field`] error.
+    pub fn field(field: &'static str, message: impl Into<String>) -> Self {
+        EngineError::Field {
+            field,
+            message: message.into(),
+        }
+    }
+
+    /// The request field the error is about, where validation named one.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            EngineError::Field { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+}
+
+/// The one vocabulary check of a prompt's ids: every id below `vocab`.
+pub fn check_vocabulary(ids: &[u32], vocab: usize) -> Result<(), EngineError> {
+    match ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(id) => Err(EngineError::field(
+            "prompt",
+            format!("token id {id} is outside the model's vocabulary of {vocab}"),
+        )),
+        None => Ok(()),
+    }
 }

@@ -9,6 +9,7 @@
 //! one at a time, scoring each: the regime users run. Schemes run in lockstep so the bf16
 //! reference distributions never need to be stored.
 
+use crate::error::check_vocabulary;
 use crate::session::{log_softmax, Session, DEFAULT_PREFILL_CHUNK};
 use crate::EngineError;
 use tessera_kv::KvScheme;
@@ -85,12 +86,8 @@ pub fn evaluate(
             need: 2,
         });
     }
-    let vocab = model.vocab_size();
-    if let Some(&id) = tokens.iter().chain(&bos).find(|&&id| id as usize >= vocab) {
-        return Err(EngineError::Invalid(format!(
-            "token id {id} is outside the model's vocabulary of {vocab}"
-        )));
-    }
+    check_vocabulary(tokens, model.vocab_size())?;
+    check_vocabulary(bos.as_slice(), model.vocab_size())?;
     let reference = KvScheme::parse("bf16")?;
     // The bf16 reference runs first; schemes equal to it reuse its logits.
     let mut runs: Vec<KvScheme> = vec![reference.clone()];

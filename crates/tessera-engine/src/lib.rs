@@ -14,8 +14,6 @@
 //! [`prompt`] tokenizes a completion prompt or a conversation the one way every front end
 //! uses, with the tokens that end its generation.
 
-mod ahead;
-mod batch;
 pub mod chat;
 mod error;
 pub mod eval;
@@ -25,19 +23,24 @@ pub mod prefix;
 pub mod prompt;
 pub mod prompt_cache;
 mod sampler;
+pub mod sequence;
 mod session;
 pub mod speculative;
+mod step;
 pub mod stop;
 pub mod store;
+mod text_stream;
 
-pub use batch::{
-    generate_batch_greedy, Batch, BatchLimits, BatchSpec, BatchTimes, Event, GenerationRequest,
-    Refused, RequestId, TokenLogprobs, MAX_DRAFT, MAX_TOP_LOGPROBS, PREFIX_CHECKPOINT,
-};
-pub use error::EngineError;
-pub use generate::{Generation, StopReason, TextStream};
+pub use error::{check_vocabulary, EngineError};
+pub use generate::{generate_batch_greedy, Generation};
 pub use prefix::PrefixCache;
 pub use prompt::{Prompt, PromptInput};
 pub use sampler::{argmax, Dist, Sampler, SamplerConfig};
+pub use sequence::{Reuse, ReuseLimit, Sequence};
 pub use session::{log_softmax, Session, DEFAULT_PREFILL_CHUNK};
-pub use stop::{Released, StopText};
+pub use step::{
+    Batch, BatchLimits, BatchSpec, BatchTimes, DraftSource, Event, GenerationRequest, Refused,
+    RequestId, TokenLogprobs, MAX_DRAFT, MAX_TOP_LOGPROBS, PREFIX_CHECKPOINT,
+};
+pub use stop::{Released, StopReason, StopText};
+pub use text_stream::TextStream;

@@ -20,6 +20,7 @@
 //! dropped from the index and the lookup goes on with the other rows. Files that do not
 //! fit are skipped, never deleted (they may be another model's).
 
+use crate::sequence::{reuse_of, Sequence};
 use crate::{prompt_cache, EngineError};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -230,14 +231,15 @@ impl<'m> PrefixCache<'m> {
         (self.hits, self.reused_tokens)
     }
 
-    /// Keeps `cache` (one row holding exactly `tokens`), evicting the least recently used
+    /// Keeps `row`, evicting the least recently used
     /// rows past the budget. A row larger than the whole budget, or one whose tokens another
     /// row already holds (or extends and can be cut back to), is not kept. With a folder the
     /// row is saved there too (a failure is a note; the row is then kept in memory only),
     /// and the files of rows it replaces or evicts are deleted.
-    pub fn insert(&mut self, tokens: Vec<u32>, cache: KvCache) {
+    pub fn insert(&mut self, row: Sequence) {
+        let (tokens, cache) = row.into_parts();
         let bytes = cache.allocated_bytes();
-        if tokens.is_empty() || cache.batch() != 1 || bytes > self.budget {
+        if tokens.is_empty() || bytes > self.budget {
             return;
         }
         if self
@@ -321,13 +323,13 @@ impl<'m> PrefixCache<'m> {
         false
     }
 
-    /// A one-row cache holding the longest reusable prefix of `prompt` and its length, or
+    /// The longest reusable prefix of `prompt` (by [`crate::sequence::reuse_of`]), or
     /// `None`. The stored row stays (a copy is handed out). A lazy row that the longest
     /// match picks is read from its file first; one that fails to read is dropped from
     /// the index and the next longest match is tried. Only rows of `round_slack` count (a
     /// row joins a batch of its own slack only; files saved by a server without
     /// speculation have none).
-    pub fn lookup(&mut self, prompt: &[u32], round_slack: usize) -> Option<(KvCache, usize)> {
+    pub fn lookup(&mut self, prompt: &[u32], round_slack: usize) -> Option<Sequence> {
         let limit = prompt.len().saturating_sub(1);
         // Longest first; equal lengths in store order (the first stored wins).
         let mut candidates: Vec<(usize, usize)> = self
@@ -349,7 +351,7 @@ impl<'m> PrefixCache<'m> {
         candidates.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
         let mut failed = Vec::new();
         let mut best = None;
-        for (len, i) in candidates {
+        for (_, i) in candidates {
             if self.entries[i].cache.is_none() && !self.load(i) {
                 failed.push(i);
                 continue;
@@ -361,19 +363,17 @@ impl<'m> PrefixCache<'m> {
             if cache.round_slack() != round_slack {
                 continue;
             }
-            if cache
-                .minimum_reusable_offset()
-                .is_some_and(|floor| len < floor)
-            {
+            let reuse = reuse_of(&e.tokens, cache, prompt);
+            if reuse.tokens == 0 {
                 continue;
             }
             let Ok(mut copy) = cache.extract(0) else {
                 continue;
             };
-            if copy.trim(e.tokens.len() - len).is_err() {
+            if copy.trim(e.tokens.len() - reuse.tokens).is_err() {
                 continue;
             }
-            best = Some((i, copy, len));
+            best = Some((i, copy, reuse.tokens));
             break;
         }
         if let Some((i, _, len)) = &best {
@@ -391,7 +391,7 @@ impl<'m> PrefixCache<'m> {
         });
         // A row read from disk may hold more than its file's buffers said.
         self.evict();
-        best.map(|(_, cache, len)| (cache, len))
+        best.and_then(|(_, cache, len)| Sequence::new(prompt[..len].to_vec(), cache).ok())
     }
 }
 

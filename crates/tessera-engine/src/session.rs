@@ -1,6 +1,8 @@
 //! A session: one model, one KV cache, and the tokens fed so far. Prefill goes in chunks
 //! (each chunk one `append_window` per layer); decode feeds one token at a time.
 
+use crate::error::check_vocabulary;
+use crate::sequence::Sequence;
 use crate::EngineError;
 use candle_core::Tensor;
 use std::time::{Duration, Instant};
@@ -45,6 +47,13 @@ impl<'m> Session<'m> {
             decode_time: Duration::ZERO,
             decode_tokens: 0,
         })
+    }
+
+    /// How many leading tokens of `prompt` this session's cache can give
+    /// ([`crate::sequence::reuse_of`]: short of the last token, never below the reuse
+    /// floor nor past what a ring holds); cut back with [`Session::truncate`].
+    pub fn reuse_for(&self, prompt: &[u32]) -> crate::Reuse {
+        crate::sequence::reuse_of(&self.tokens, &self.cache, prompt)
     }
 
     /// A session continuing from `cache` (one row, made with `scheme`), which holds exactly
@@ -113,22 +122,19 @@ impl<'m> Session<'m> {
 
     /// Lends the cache and the tokens it holds out (to a [`crate::Generation`]'s batch),
     /// leaving an empty cache of no layers until [`Session::give_back`].
-    pub(crate) fn lend(&mut self) -> Result<(KvCache, Vec<u32>), EngineError> {
+    pub(crate) fn lend(&mut self) -> Result<Sequence, EngineError> {
         let none = KvCache::new(
             &[],
             &KvScheme::uniform(Codec::Plain(PlainDType::Bf16)),
             vec![0],
         )?;
-        Ok((
-            std::mem::replace(&mut self.cache, none),
-            std::mem::take(&mut self.tokens),
-        ))
+        let cache = std::mem::replace(&mut self.cache, none);
+        Sequence::new(std::mem::take(&mut self.tokens), cache)
     }
 
-    /// Takes back a lent cache, now holding `tokens`.
-    pub(crate) fn give_back(&mut self, cache: KvCache, tokens: Vec<u32>) {
-        self.cache = cache;
-        self.tokens = tokens;
+    /// Takes back a lent sequence, now holding more tokens.
+    pub(crate) fn give_back(&mut self, held: Sequence) {
+        (self.tokens, self.cache) = held.into_parts();
     }
 
     /// An empty cache of the session's scheme (with round slack `slack`) in place of
@@ -219,12 +225,7 @@ impl<'m> Session<'m> {
                 context: self.model.context_length(),
             });
         }
-        let vocab = self.model.vocab_size();
-        if let Some(&id) = chunk.iter().find(|&&id| id as usize >= vocab) {
-            return Err(EngineError::Invalid(format!(
-                "token id {id} is outside the model's vocabulary of {vocab}"
-            )));
-        }
+        check_vocabulary(chunk, self.model.vocab_size())?;
         let ids = Tensor::from_slice(chunk, (1, chunk.len()), self.model.device())?;
         let logits = self.model.forward(&ids, &mut self.cache, mode)?;
         self.tokens.extend_from_slice(chunk);

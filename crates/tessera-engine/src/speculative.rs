@@ -1,7 +1,9 @@
 //! Speculative decoding: a drafter proposes the next few tokens, the target reads the last
 //! decided token and the draft as one chunk inside a speculative round of its cache, keeps
 //! the drafts its own sampling rule accepts plus one token of its own, and rolls its cache
-//! (and the drafter's) back to what it kept.
+//! (and the drafter's) back to what it kept. The rounds run inside a [`crate::Batch`]
+//! ([`crate::BatchSpec`]): every row has its own drafter, one forward verifies every row's
+//! draft, and the row's output stage holds the one verification loop.
 //!
 //! Two drafters share one trait ([`Drafter`]): prompt lookup ([`NgramDrafter`]: the
 //! continuation of the latest earlier occurrence of the last few tokens, no second model;
@@ -16,16 +18,14 @@
 //! accepts every draft adds a token drawn from `p` after the last. Each output token is
 //! then distributed exactly as the target's sampler would have it. Under greedy sampling
 //! `p` puts all its mass on the argmax, so the rule keeps the drafts that equal the
-//! target's argmax and then takes the argmax: plain greedy decode, up to the numerics of
-//! reading several positions as one chunk (a quantized matmul's sums depend on its row
-//! count, which can flip a near tie). The draft length adapts ([`DraftLength`]): halved after
+//! target's argmax and then takes the argmax: plain greedy decode, bit for bit (the
+//! kernels are batch-invariant: a position's logits do not depend on the chunk it is read
+//! in). The draft length adapts ([`DraftLength`]): halved after
 //! a round that accepts nothing, doubled after one that accepts everything, and drafting
 //! pauses for a while after single drafts keep failing.
 
-use crate::generate::StopReason;
 use crate::sampler::{Dist, Sampler, SamplerConfig};
 use crate::{EngineError, Session, DEFAULT_PREFILL_CHUNK};
-use std::collections::VecDeque;
 use tessera_kv::KvScheme;
 use tessera_models::{LogitsMode, Model};
 
@@ -396,240 +396,7 @@ impl SpecStats {
     }
 }
 
-/// Generation with speculation over a [`Session`]: an iterator of tokens, as
-/// [`crate::Generation`] is, whose output is distributed as the target's sampler would have
-/// it (see the module docs). The session's cache must have round slack of at least
-/// `max_draft` ([`Session::with_round_slack`]) so that rounds roll back after a
-/// sliding-window ring has wrapped.
-pub struct Speculative<'a, 'm> {
-    session: &'a mut Session<'m>,
-    drafter: &'a mut dyn Drafter,
-    sampler: Sampler,
-    stop_tokens: Vec<u32>,
-    max_tokens: usize,
-    produced: usize,
-    /// Tokens decided and not yet emitted.
-    ready: VecDeque<u32>,
-    /// What the session held, the prompt, and every token decided so far.
-    history: Vec<u32>,
-    stop: Option<StopReason>,
-    stop_token: Option<u32>,
-    failed: bool,
-    stats: SpecStats,
-    /// Tokens the next round drafts at most ([`DraftLength`]).
-    length: DraftLength,
-}
-
-impl<'a, 'm> Speculative<'a, 'm> {
-    /// Feeds `prompt` (after whatever the session holds), decides the first token and lets
-    /// the drafter read the history.
-    pub fn new(
-        session: &'a mut Session<'m>,
-        prompt: &[u32],
-        drafter: &'a mut dyn Drafter,
-        max_draft: usize,
-        sampler: SamplerConfig,
-        max_tokens: usize,
-        stop_tokens: Vec<u32>,
-    ) -> Result<Self, EngineError> {
-        if max_draft == 0 {
-            return Err(EngineError::Invalid(
-                "speculation needs at least 1 draft token".into(),
-            ));
-        }
-        if session.round_slack() < max_draft {
-            return Err(EngineError::Invalid(format!(
-                "a session with round slack {} cannot roll back drafts of {max_draft} tokens",
-                session.round_slack(),
-            )));
-        }
-        sampler.validate()?;
-        let mut sampler = Sampler::new(sampler);
-        let mut history = session.tokens().to_vec();
-        history.extend_from_slice(prompt);
-        let mut ready = VecDeque::new();
-        if max_tokens > 0 {
-            let logits = session.feed(prompt)?;
-            let first = sampler.sample(&logits, &history);
-            ready.push_back(first);
-            history.push(first);
-            drafter.prefill(&history)?;
-        }
-        Ok(Speculative {
-            session,
-            drafter,
-            sampler,
-            stop_tokens,
-            max_tokens,
-            produced: 0,
-            ready,
-            history,
-            stop: (max_tokens == 0).then_some(StopReason::MaxTokens),
-            stop_token: None,
-            failed: false,
-            stats: SpecStats::default(),
-            length: DraftLength::new(max_draft),
-        })
-    }
-
-    pub fn stats(&self) -> &SpecStats {
-        &self.stats
-    }
-
-    pub fn stop_reason(&self) -> Option<StopReason> {
-        self.stop
-    }
-
-    pub fn stop_token(&self) -> Option<u32> {
-        self.stop_token
-    }
-
-    pub fn session(&self) -> &Session<'m> {
-        self.session
-    }
-
-    /// One round: the last decided token (not fed yet) and a draft read as one chunk; the
-    /// accepted drafts and one token of the target's decided.
-    fn round(&mut self) -> Result<(), EngineError> {
-        let last = *self.history.last().ok_or(EngineError::EmptyPrompt)?;
-        let left = self.session.context_left();
-        if left == 0 {
-            self.stop = Some(StopReason::ContextLimit);
-            return Ok(());
-        }
-        // Never decide more than max_tokens, never read past the context.
-        let k = self
-            .length
-            .next()
-            .min(self.max_tokens - self.produced - 1)
-            .min(left - 1);
-        let mut draft = if k > 0 {
-            self.drafter.draft(&self.history, k)?
-        } else {
-            Draft::default()
-        };
-        draft.tokens.truncate(k);
-        if draft.tokens.is_empty() {
-            self.drafter.accepted(0)?;
-            let logits = self.session.feed(&[last])?;
-            let next = self.sampler.sample(&logits, &self.history);
-            self.ready.push_back(next);
-            self.history.push(next);
-            self.stats.plain_steps += 1;
-            return Ok(());
-        }
-        let n = draft.tokens.len();
-        let mut chunk = Vec::with_capacity(n + 1);
-        chunk.push(last);
-        chunk.extend_from_slice(&draft.tokens);
-        let logits = match self.session.speculate(&chunk) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = self.drafter.accepted(0);
-                return Err(e);
-            }
-        };
-        let vocab = logits.len() / chunk.len();
-        // The drafts are appended to the history while they are judged (the repetition
-        // penalty's window and the presence/frequency counts see them), then cut back to
-        // what was accepted.
-        let base = self.history.len();
-        let mut next = None;
-        for i in 0..n {
-            let at = &logits[i * vocab..(i + 1) * vocab];
-            let p = self
-                .sampler
-                .distribution(at, &self.history, &draft.tokens[..i]);
-            let t = draft.tokens[i];
-            match verify_token(&p, &draft.q[i], t, &mut self.sampler) {
-                Ok(()) => self.history.push(t),
-                Err(r) => {
-                    next = Some(r);
-                    break;
-                }
-            }
-        }
-        let accepted = self.history.len() - base;
-        let next = match next {
-            Some(t) => t,
-            None => {
-                let p =
-                    self.sampler
-                        .distribution(&logits[n * vocab..], &self.history, &draft.tokens);
-                self.sampler.draw(&p)
-            }
-        };
-        self.history.push(next);
-        // Kept: the last token and the accepted drafts; the target's next token is fed in
-        // the next round.
-        self.session.end_speculation(chunk.len(), 1 + accepted)?;
-        self.drafter.accepted(accepted)?;
-        for &t in &self.history[base..] {
-            self.sampler.record(t);
-            self.ready.push_back(t);
-        }
-        self.length.update(n, accepted);
-        self.stats.count_round(n, accepted);
-        Ok(())
-    }
-}
-
-impl Iterator for Speculative<'_, '_> {
-    type Item = Result<u32, EngineError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.failed {
-            return None;
-        }
-        loop {
-            if let Some(t) = self.ready.pop_front() {
-                if self.stop.is_some() {
-                    return None;
-                }
-                if self.stop_tokens.contains(&t) {
-                    self.stop = Some(StopReason::EndToken);
-                    self.stop_token = Some(t);
-                    return None;
-                }
-                self.produced += 1;
-                if self.produced >= self.max_tokens {
-                    self.stop = Some(StopReason::MaxTokens);
-                }
-                return Some(Ok(t));
-            }
-            if self.stop.is_some() {
-                return None;
-            }
-            if let Err(e) = self.round() {
-                self.failed = true;
-                return Some(Err(e));
-            }
-        }
-    }
-}
-
 impl Session<'_> {
-    /// Reads `chunk` (the last decided token, then a draft) inside a speculative round
-    /// and returns the logits of every position `(chunk.len(), vocab)`, flattened.
-    fn speculate(&mut self, chunk: &[u32]) -> Result<Vec<f32>, EngineError> {
-        self.cache_mut().check_append(chunk.len())?;
-        self.round_open()?;
-        match self.forward(chunk, LogitsMode::All) {
-            Ok(logits) => Ok(logits),
-            Err(e) => {
-                // Nothing was appended by a refused forward; close the round as it was.
-                let _ = self.cache_mut().round_rollback(&[0]);
-                Err(e)
-            }
-        }
-    }
-
-    /// Closes the round [`Session::speculate`] opened, keeping `keep` of the `fed`
-    /// positions it read.
-    fn end_speculation(&mut self, fed: usize, keep: usize) -> Result<(), EngineError> {
-        self.round_close(fed, keep)
-    }
-
     /// Opens a speculative round on the cache: what follows can be rolled back.
     pub(crate) fn round_open(&mut self) -> Result<(), EngineError> {
         self.cache_mut().round_begin()?;

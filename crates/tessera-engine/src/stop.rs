@@ -2,9 +2,22 @@
 //! still turn into a stop string, and cut where one appears (the stop string itself is not
 //! part of the output, as OpenAI's `stop` defines it).
 
-use crate::generate::TextStream;
+use crate::text_stream::TextStream;
 use crate::EngineError;
 use tessera_models::Tokenizer;
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced an end-of-sequence or end-of-turn token.
+    EndToken,
+    /// The text reached one of the request's stop strings (a [`crate::Batch`] with a
+    /// tokenizer).
+    StopString,
+    MaxTokens,
+    /// The model's context is full.
+    ContextLimit,
+}
 
 /// Text a token (or the end of generation) releases.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

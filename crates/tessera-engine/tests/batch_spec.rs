@@ -63,10 +63,7 @@ fn each_row_accepts_its_own_drafts_and_equals_plain_greedy() {
         };
         let mut batch = Batch::new(&model, &scheme, 64, limits)
             .unwrap()
-            .with_speculation(BatchSpec {
-                ngram: 3,
-                max_draft: DRAFT,
-            })
+            .with_speculation(BatchSpec::ngram(3, DRAFT))
             .unwrap();
         let mut ids = vec![None; prompts.len()];
         let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
@@ -134,7 +131,7 @@ fn speculation_is_set_before_requests_and_checked() {
     let batch = || Batch::new(&model, &scheme, 64, BatchLimits::default()).unwrap();
     for (ngram, max_draft) in [(0, 4), (3, 0), (3, 65)] {
         let err = batch()
-            .with_speculation(BatchSpec { ngram, max_draft })
+            .with_speculation(BatchSpec::ngram(ngram, max_draft))
             .err()
             .unwrap()
             .to_string();
@@ -151,10 +148,7 @@ fn speculation_is_set_before_requests_and_checked() {
     })
     .unwrap();
     let err = b
-        .with_speculation(BatchSpec {
-            ngram: 3,
-            max_draft: 4,
-        })
+        .with_speculation(BatchSpec::ngram(3, 4))
         .err()
         .unwrap()
         .to_string();
@@ -209,10 +203,7 @@ fn a_stop_token_inside_accepted_drafts_leaves_a_reusable_row() {
     let (model, tok) = common::load_f32_weights();
     let prompt = copy_prompts(&tok).swap_remove(3);
     let scheme = KvScheme::parse("bf16").unwrap();
-    let spec = BatchSpec {
-        ngram: 3,
-        max_draft: DRAFT,
-    };
+    let spec = BatchSpec::ngram(3, DRAFT);
     let request = |prompt: Vec<u32>, stop_tokens: Vec<u32>| GenerationRequest {
         prompt,
         max_tokens: 24,

@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 use tessera_engine::prefix::{file_name, PrefixCache};
 use tessera_engine::prompt_cache;
-use tessera_engine::{Batch, BatchLimits, Event, GenerationRequest, SamplerConfig, Session};
+use tessera_engine::{
+    Batch, BatchLimits, Event, GenerationRequest, SamplerConfig, Sequence, Session,
+};
 use tessera_kv::{KvCache, KvScheme};
 use tessera_models::{Model, Tokenizer};
 
@@ -318,13 +320,13 @@ fn files_follow_the_rows_and_the_budget() {
     assert!(sizes[1] + sizes[2] > budget, "{sizes:?}");
     let mut store = PrefixCache::with_dir(budget, &dir.0, &model, &scheme).unwrap();
     let mut rows = rows.into_iter();
-    store.insert(r1.clone(), rows.next().unwrap());
+    store.insert(Sequence::new(r1.clone(), rows.next().unwrap()).unwrap());
     assert!(dir.0.join(file_name(&r1)).exists());
-    store.insert(r1_longer.clone(), rows.next().unwrap());
+    store.insert(Sequence::new(r1_longer.clone(), rows.next().unwrap()).unwrap());
     assert!(!dir.0.join(file_name(&r1)).exists(), "redundant: deleted");
     assert!(dir.0.join(file_name(&r1_longer)).exists());
     assert_eq!(store.len(), 1);
-    store.insert(r2.clone(), rows.next().unwrap());
+    store.insert(Sequence::new(r2.clone(), rows.next().unwrap()).unwrap());
     assert_eq!(store.len(), 1, "the budget holds one row");
     assert!(
         !dir.0.join(file_name(&r1_longer)).exists(),
@@ -361,10 +363,13 @@ fn files_follow_the_rows_and_the_budget() {
         "the oldest file is not indexed"
     );
     assert!(r1_file.exists(), "and stays on disk");
-    let (cache, len) = store
+    let hit = store
         .lookup(&extend(&r3), 0)
         .expect("the newest file is read");
-    assert_eq!((len, cache.offsets()), (r3.len(), vec![r3.len()]));
+    assert_eq!(
+        (hit.tokens(), hit.cache().offsets()),
+        (&r3[..], vec![r3.len()])
+    );
     assert_eq!(store.lazy(), 1);
     drop(store);
 
@@ -372,11 +377,11 @@ fn files_follow_the_rows_and_the_budget() {
     let gone = tempdir("gone");
     let mut store = PrefixCache::with_dir(budget, &gone.0, &model, &scheme).unwrap();
     std::fs::remove_dir_all(&gone.0).unwrap();
-    store.insert(r1.clone(), row(&model, &scheme, &r1));
+    store.insert(Sequence::new(r1.clone(), row(&model, &scheme, &r1)).unwrap());
     assert_eq!(store.len(), 1);
-    let (_, len) = store
+    let hit = store
         .lookup(&extend(&r1), 0)
         .expect("the row is held in memory");
-    assert_eq!(len, r1.len());
+    assert_eq!(hit.tokens(), &r1[..]);
     assert!(PrefixCache::with_dir(budget, &gone.0, &model, &scheme).is_err());
 }

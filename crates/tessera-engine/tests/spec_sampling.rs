@@ -8,9 +8,8 @@
 mod common;
 
 use std::collections::HashMap;
-use tessera_engine::speculative::{Drafter, ModelDrafter, NgramDrafter, Speculative};
 use tessera_engine::{
-    Batch, BatchLimits, BatchSpec, Event, GenerationRequest, SamplerConfig, Session,
+    Batch, BatchLimits, BatchSpec, Event, Generation, GenerationRequest, SamplerConfig, Session,
 };
 use tessera_kv::KvScheme;
 use tessera_models::{synth, Model};
@@ -113,13 +112,7 @@ fn chi_square<K: std::hash::Hash + Eq + std::fmt::Debug>(
 
 /// Checks `RUNS` seeded speculative runs against the exact distribution: the joint of the
 /// first two tokens and the marginal of the third.
-fn check<'m>(
-    target: &Model,
-    prompt: &[u32],
-    config: &SamplerConfig,
-    mut drafter: impl FnMut(u64) -> Box<dyn Drafter + 'm>,
-    label: &str,
-) {
+fn check(target: &Model, prompt: &[u32], config: &SamplerConfig, spec: BatchSpec, label: &str) {
     let scheme = KvScheme::parse("bf16").unwrap();
     let mut outputs = Vec::new();
     let (mut drafted, mut accepted) = (0, 0);
@@ -128,17 +121,16 @@ fn check<'m>(
             seed,
             ..config.clone()
         };
-        let mut d = drafter(seed);
         let mut s = Session::new(target, &scheme, 64)
             .unwrap()
             .with_round_slack(DRAFT);
-        // Five tokens: the first round after the first token drafts three.
-        let mut spec =
-            Speculative::new(&mut s, prompt, d.as_mut(), DRAFT, config, 5, vec![]).unwrap();
-        let got: Vec<u32> = spec.by_ref().collect::<Result<_, _>>().unwrap();
+        // Five tokens: the first round after the first token drafts three. Each run's
+        // drafter is made with its sampler (a draft model draws under the run's seed).
+        let mut gen = Generation::with_spec(&mut s, prompt, config, 5, vec![], Some(spec)).unwrap();
+        let got: Vec<u32> = gen.by_ref().collect::<Result<_, _>>().unwrap();
         assert_eq!(got.len(), 5, "{label}");
-        drafted += spec.stats().drafted;
-        accepted += spec.stats().accepted;
+        drafted += gen.spec_stats().drafted;
+        accepted += gen.spec_stats().accepted;
         outputs.push(got);
     }
     compare(target, prompt, config, &outputs, drafted, accepted, label);
@@ -215,18 +207,11 @@ fn speculative_sampling_draws_from_the_target_distribution() {
     let (target, _t) = synthetic(3, "spec-target");
     let (small, _d) = synthetic(4, "spec-drafter");
     let (prompt, config) = prompt_and_config(&target);
-    let scheme = KvScheme::parse("bf16").unwrap();
     check(
         &target,
         &prompt,
         &config,
-        |seed| {
-            let c = SamplerConfig {
-                seed,
-                ..config.clone()
-            };
-            Box::new(ModelDrafter::new(&small, &target, &scheme, DRAFT, &c).unwrap())
-        },
+        BatchSpec::model(&small, DRAFT),
         "draft model",
     );
     // The target drafting for itself accepts nearly everything; the presence penalty
@@ -239,20 +224,14 @@ fn speculative_sampling_draws_from_the_target_distribution() {
         &target,
         &prompt,
         &penalized,
-        |seed| {
-            let c = SamplerConfig {
-                seed,
-                ..penalized.clone()
-            };
-            Box::new(ModelDrafter::new(&target, &target, &scheme, DRAFT, &c).unwrap())
-        },
+        BatchSpec::model(&target, DRAFT),
         "self-draft, presence penalty",
     );
     check(
         &target,
         &prompt,
         &config,
-        |_| Box::new(NgramDrafter { n: 3 }),
+        BatchSpec::ngram(3, DRAFT),
         "prompt lookup",
     );
 }
@@ -260,26 +239,36 @@ fn speculative_sampling_draws_from_the_target_distribution() {
 #[test]
 fn speculative_sampling_in_a_batch_draws_from_the_target_distribution() {
     // Sixteen rows at a time, each its own seed, each accepting its own count per round.
+    // (A draft model's rows take the same rounds: `check` above runs through a one-row
+    // batch, and serve_spec.rs runs a draft model over many rows.)
     let (target, _t) = synthetic(3, "spec-batch-target");
     let (prompt, config) = prompt_and_config(&target);
+    let spec = BatchSpec::ngram(3, DRAFT);
+    batch_check(&target, &prompt, &config, spec, "batch, prompt lookup");
+}
+
+fn batch_check(
+    target: &Model,
+    prompt: &[u32],
+    config: &SamplerConfig,
+    spec: BatchSpec,
+    label: &str,
+) {
     let scheme = KvScheme::parse("bf16").unwrap();
     let limits = BatchLimits {
         max_batch: 16,
         max_queue: RUNS,
         ..Default::default()
     };
-    let mut batch = Batch::new(&target, &scheme, 64, limits)
+    let mut batch = Batch::new(target, &scheme, 64, limits)
         .unwrap()
-        .with_speculation(BatchSpec {
-            ngram: 3,
-            max_draft: DRAFT,
-        })
+        .with_speculation(spec)
         .unwrap();
     let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
     for seed in 0..RUNS as u64 {
         let id = batch
             .add(GenerationRequest {
-                prompt: prompt.clone(),
+                prompt: prompt.to_vec(),
                 max_tokens: 5,
                 sampler: SamplerConfig {
                     seed,
@@ -303,12 +292,12 @@ fn speculative_sampling_in_a_batch_draws_from_the_target_distribution() {
     assert!(outputs.iter().all(|o| o.len() == 5));
     let st = batch.spec_stats();
     compare(
-        &target,
-        &prompt,
-        &config,
+        target,
+        prompt,
+        config,
         &outputs,
         st.drafted,
         st.accepted,
-        "batch, prompt lookup",
+        label,
     );
 }

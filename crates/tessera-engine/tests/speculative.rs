@@ -8,8 +8,10 @@
 
 mod common;
 
-use tessera_engine::speculative::{Drafter, ModelDrafter, NgramDrafter, SpecStats, Speculative};
-use tessera_engine::{argmax, SamplerConfig, Session, StopReason};
+use tessera_engine::speculative::{Drafter, ModelDrafter, SpecStats};
+use tessera_engine::{
+    argmax, Batch, BatchLimits, BatchSpec, Generation, SamplerConfig, Session, StopReason,
+};
 use tessera_kv::KvScheme;
 use tessera_models::Model;
 
@@ -42,7 +44,7 @@ fn check_greedy_equals_plain(
     model: &Model,
     prompt: &[u32],
     kv: &str,
-    drafter: &mut dyn Drafter,
+    spec: BatchSpec,
 ) -> SpecStats {
     let scheme = scheme(kv);
     let session = || {
@@ -51,16 +53,8 @@ fn check_greedy_equals_plain(
             .with_round_slack(DRAFT)
     };
     let mut s = session();
-    let mut spec = Speculative::new(
-        &mut s,
-        prompt,
-        drafter,
-        DRAFT,
-        SamplerConfig::default(),
-        40,
-        vec![],
-    )
-    .unwrap();
+    let greedy = SamplerConfig::default();
+    let mut spec = Generation::with_spec(&mut s, prompt, greedy, 40, vec![], Some(spec)).unwrap();
     let got: Vec<u32> = spec.by_ref().collect::<Result<_, _>>().unwrap();
     assert_eq!(got.len(), 40, "{kv}");
     let near_tie = if kv == "bf16" { 0.1 } else { 1.0 };
@@ -82,7 +76,8 @@ fn check_greedy_equals_plain(
     }
     assert!(ties <= 3, "{kv}: {ties} near ties");
     assert_eq!(spec.stop_reason(), Some(StopReason::MaxTokens));
-    let st = spec.stats().clone();
+    let st = spec.spec_stats().clone();
+    drop(spec);
     println!("{kv}: {}", st.summary());
     // Every decided token was fed except the last: the cache holds prompt + 39.
     assert_eq!(s.tokens().len(), prompt.len() + 39, "{kv}");
@@ -106,7 +101,7 @@ fn speculative_greedy_equals_plain_greedy_on_every_scheme() {
     let (model, tok) = common::load_f32_weights();
     let prompt = copy_prompt(&tok);
     for kv in ["bf16", "affine:4", "turbo:4", "turbo:4:global", "mix"] {
-        let st = check_greedy_equals_plain(&model, &prompt, kv, &mut NgramDrafter { n: 3 });
+        let st = check_greedy_equals_plain(&model, &prompt, kv, BatchSpec::ngram(3, DRAFT));
         // The bf16 model copies the passage, so most drafts hold; how well the model copies
         // over a 4-bit cache is that cache's quality (printed above).
         assert!(st.rounds > 0 && st.accepted > 0, "{kv}: {st:?}");
@@ -127,20 +122,32 @@ fn draft_model_greedy_equals_plain_greedy_and_rolls_back_with_the_target() {
     for kv in ["bf16", "affine:4", "turbo:4"] {
         let scheme = KvScheme::parse(kv).unwrap();
         let greedy = SamplerConfig::default();
-        let mut drafter = ModelDrafter::new(&draft_model, &model, &scheme, DRAFT, &greedy).unwrap();
-        let st = check_greedy_equals_plain(&model, &prompt, kv, &mut drafter);
+        let st =
+            check_greedy_equals_plain(&model, &prompt, kv, BatchSpec::model(&draft_model, DRAFT));
         assert!(
             st.rounds > 0 && st.accepted * 2 > st.drafted,
             "{kv}: {st:?}"
         );
-        // The drafter's cache holds exactly the tokens it was fed, a prefix of the output.
-        let held = drafter.session().tokens();
-        assert_eq!(
-            drafter.session().cache().offsets(),
-            vec![held.len()],
-            "{kv}"
-        );
-        assert_eq!(&held[..prompt.len()], &prompt[..], "{kv}");
+        // A drafter's rounds: drafts fed inside a round, rolled back to what the target
+        // kept; its cache holds exactly the tokens it was fed, a prefix of the history.
+        let mut drafter = ModelDrafter::new(&draft_model, &model, &scheme, DRAFT, &greedy).unwrap();
+        let mut history = prompt.clone();
+        for keep in [0, 2, DRAFT - 1] {
+            let draft = drafter.draft(&history, DRAFT).unwrap();
+            assert_eq!(draft.tokens.len(), DRAFT, "{kv}");
+            drafter.accepted(keep).unwrap();
+            history.extend_from_slice(&draft.tokens[..keep]);
+            history.push(1000 + keep as u32);
+            let held = drafter.session().tokens();
+            assert_eq!(
+                drafter.session().cache().offsets(),
+                vec![held.len()],
+                "{kv}"
+            );
+            assert_eq!(&held[..], &history[..held.len()], "{kv}");
+            // Everything but the target's own token, which the next round feeds.
+            assert_eq!(held.len(), history.len() - 1, "{kv}");
+        }
     }
 }
 
@@ -157,6 +164,14 @@ fn a_draft_model_of_another_vocabulary_is_refused() {
         err.contains("vocabulary") && err.contains("151936") && err.contains("262144"),
         "{err}"
     );
+    // The same refusal where a server takes its drafter: the batch's speculation.
+    let err = Batch::new(&model, &scheme, 64, BatchLimits::default())
+        .unwrap()
+        .with_speculation(BatchSpec::model(&other, DRAFT))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("vocabulary"), "{err}");
 }
 
 #[test]
@@ -165,33 +180,24 @@ fn a_stop_token_inside_an_accepted_draft_ends_the_output_there() {
     let line = "one two three four five six seven eight nine ten. ";
     let prompt = tok.encode(&line.repeat(6), true).unwrap();
     let scheme = KvScheme::parse("bf16").unwrap();
-    let mut drafter = NgramDrafter { n: 2 };
+    let drafter = Some(BatchSpec::ngram(2, DRAFT));
     let greedy = SamplerConfig::default;
     // First without a stop: the output, which copies the line.
     let mut s = Session::new(&model, &scheme, 512)
         .unwrap()
         .with_round_slack(DRAFT);
-    let free: Vec<u32> =
-        Speculative::new(&mut s, &prompt, &mut drafter, DRAFT, greedy(), 24, vec![])
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
+    let free: Vec<u32> = Generation::with_spec(&mut s, &prompt, greedy(), 24, vec![], drafter)
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
     // Then with the sixth token of that output as a stop token.
     let stop = free[5];
     let first = free.iter().position(|&t| t == stop).unwrap();
     let mut s = Session::new(&model, &scheme, 512)
         .unwrap()
         .with_round_slack(DRAFT);
-    let mut spec = Speculative::new(
-        &mut s,
-        &prompt,
-        &mut drafter,
-        DRAFT,
-        greedy(),
-        24,
-        vec![stop],
-    )
-    .unwrap();
+    let mut spec =
+        Generation::with_spec(&mut s, &prompt, greedy(), 24, vec![stop], drafter).unwrap();
     let got: Vec<u32> = spec.by_ref().collect::<Result<_, _>>().unwrap();
     // The stop token is not emitted (as with plain generation).
     assert_eq!(got, free[..first].to_vec());
@@ -199,7 +205,7 @@ fn a_stop_token_inside_an_accepted_draft_ends_the_output_there() {
     assert_eq!(spec.stop_token(), Some(stop));
     // A session without round slack for the drafts is refused up front.
     let mut bare = Session::new(&model, &scheme, 512).unwrap();
-    let err = Speculative::new(&mut bare, &prompt, &mut drafter, DRAFT, greedy(), 8, vec![])
+    let err = Generation::with_spec(&mut bare, &prompt, greedy(), 8, vec![], drafter)
         .err()
         .unwrap();
     assert!(err.to_string().contains("round slack"), "{err}");

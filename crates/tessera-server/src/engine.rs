@@ -104,11 +104,35 @@ pub struct EngineParts {
     pub prompt_cache_dir: Option<PathBuf>,
     /// `None`: the chat endpoint answers 400.
     pub chat_template: Option<ChatTemplate>,
-    /// Speculation inside the batch (`--spec ngram`); `None`: plain decode steps.
-    pub spec: Option<BatchSpec>,
+    /// Speculation inside the batch (`--spec ngram` or `--draft-model`); `None`: plain
+    /// decode steps.
+    pub spec: Option<ServeSpec>,
     /// false: no greedy decode step runs ahead of its tokens (`Batch::with_steps_ahead`,
     /// which the batch does by default on a GPU).
     pub steps_ahead: bool,
+}
+
+/// What drafts for every row of the server's batches.
+pub enum Drafting {
+    /// Prompt lookup over the last `n` tokens.
+    Ngram(usize),
+    /// A smaller model of the same vocabulary (on the target's device), one cache a row.
+    Model(Box<Model>),
+}
+
+/// Speculation in the server: the drafter and the most tokens a round drafts.
+pub struct ServeSpec {
+    pub drafting: Drafting,
+    pub max_draft: usize,
+}
+
+impl ServeSpec {
+    pub fn batch_spec(&self) -> BatchSpec<'_> {
+        match &self.drafting {
+            Drafting::Ngram(n) => BatchSpec::ngram(*n, self.max_draft),
+            Drafting::Model(m) => BatchSpec::model(m, self.max_draft),
+        }
+    }
 }
 
 /// A reply held back until the step's metrics are published, so that a client that has
@@ -192,37 +216,15 @@ impl Live {
     }
 }
 
-/// The settings `validate` and `add` name, as `param`.
-const PARAMS: [&str; 9] = [
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "top_logprobs",
-    "logprobs",
-];
-
+/// An engine error as the API reports it: a validation error names its field as `param`.
 pub fn engine_error(e: &EngineError) -> ApiError {
     match e {
         EngineError::QueueFull { .. } => ApiError::busy(e.to_string()),
-        EngineError::Invalid(m) => {
-            let param = if m.starts_with("token id") {
-                Some("prompt")
-            } else {
-                PARAMS
-                    .iter()
-                    .copied()
-                    .find(|p| m.strip_prefix(p).is_some_and(|rest| rest.starts_with(' ')))
-            };
-            let e = ApiError::invalid(m.clone());
-            match param {
-                Some(p) => e.with_param(p),
-                None => e,
-            }
+        // Validation names the field it failed on; the server passes it on as `param`.
+        EngineError::Field { field, message } => {
+            ApiError::invalid(message.clone()).with_param(field)
         }
+        EngineError::Invalid(m) => ApiError::invalid(m.clone()),
         EngineError::PromptTooLong { .. }
         | EngineError::EmptyPrompt
         | EngineError::ChatTemplate(_) => ApiError::invalid(e.to_string()),
@@ -378,7 +380,7 @@ fn new_batch<'m>(
     limits: BatchLimits,
     prefix_cache: usize,
     dir: Option<&Path>,
-    spec: Option<BatchSpec>,
+    spec: Option<BatchSpec<'m>>,
     steps_ahead: bool,
 ) -> Result<Batch<'m>, EngineError> {
     let fresh = || -> Result<Batch<'m>, EngineError> {
@@ -436,7 +438,7 @@ pub fn run(parts: EngineParts, mut rx: mpsc::Receiver<Submit>, metrics: Arc<Metr
             limits,
             prefix_cache,
             dir,
-            spec,
+            spec.as_ref().map(ServeSpec::batch_spec),
             steps_ahead,
         )
     };
@@ -751,16 +753,21 @@ mod tests {
 
     #[test]
     fn invalid_settings_name_their_param() {
-        let e = engine_error(&EngineError::Invalid("top_p must be in (0, 1]".into()));
+        // The field comes from validation itself, not from reading its message.
+        let bad_top_p = SamplerConfig {
+            top_p: Some(2.0),
+            ..Default::default()
+        };
+        let e = engine_error(&bad_top_p.validate().unwrap_err());
         assert_eq!(
             (e.param, e.message.as_str()),
             (Some("top_p"), "top_p must be in (0, 1]")
         );
-        let e = engine_error(&EngineError::Invalid("token id 9 is outside".into()));
+        let e = engine_error(&tessera_engine::check_vocabulary(&[3, 9], 5).unwrap_err());
         assert_eq!(e.param, Some("prompt"));
-        let e = engine_error(&EngineError::Invalid(
-            "top_logprobs must be at most 20".into(),
-        ));
-        assert_eq!(e.param, Some("top_logprobs"));
+        assert!(e.message.contains("token id 9"), "{}", e.message);
+        // A message that merely begins with a field's name names none.
+        let e = engine_error(&EngineError::Invalid("top_p of the file".into()));
+        assert_eq!(e.param, None);
     }
 }

@@ -12,9 +12,9 @@
 //! ([`tessera_kv::FIRST_APPEND`]), so the chunk sizes differ after it.
 
 use tessera_engine::prompt_cache::PromptCache;
-use tessera_engine::speculative::{ModelDrafter, NgramDrafter, Speculative};
 use tessera_engine::{
-    Batch, BatchLimits, BatchSpec, Event, GenerationRequest, SamplerConfig, Session, TokenLogprobs,
+    Batch, BatchLimits, BatchSpec, Event, Generation, GenerationRequest, SamplerConfig, Session,
+    TokenLogprobs,
 };
 use tessera_kv::KvScheme;
 use tessera_models::Model;
@@ -217,18 +217,18 @@ pub fn check_model(
             let mut s = Session::new(model, &scheme, 512)
                 .unwrap()
                 .with_round_slack(4);
-            let mut ngram = NgramDrafter { n: 3 };
-            let spec = Speculative::new(&mut s, &prompt, &mut ngram, 4, greedy(), GENERATE, vec![])
-                .unwrap();
+            let ngram = Some(BatchSpec::ngram(3, 4));
+            let spec =
+                Generation::with_spec(&mut s, &prompt, greedy(), GENERATE, vec![], ngram).unwrap();
             let t: Vec<u32> = spec.map(|t| t.unwrap()).collect();
             assert_eq!(t, tokens, "{}", what("n-gram speculation"));
             {
                 let mut s = Session::new(model, &scheme, 512)
                     .unwrap()
                     .with_round_slack(4);
-                let mut drafter = ModelDrafter::new(model, model, &scheme, 4, &greedy()).unwrap();
+                let drafter = Some(BatchSpec::model(model, 4));
                 let spec =
-                    Speculative::new(&mut s, &prompt, &mut drafter, 4, greedy(), GENERATE, vec![])
+                    Generation::with_spec(&mut s, &prompt, greedy(), GENERATE, vec![], drafter)
                         .unwrap();
                 let t: Vec<u32> = spec.map(|t| t.unwrap()).collect();
                 assert_eq!(t, tokens, "{}", what("a draft model"));
@@ -300,10 +300,7 @@ pub fn check_model(
         // Speculation inside the batch.
         let mut batch = Batch::new(model, &scheme, 512, limits)
             .unwrap()
-            .with_speculation(BatchSpec {
-                ngram: 3,
-                max_draft: 4,
-            })
+            .with_speculation(BatchSpec::ngram(3, 4))
             .unwrap();
         let (_, got, _) = batch_run(&mut batch, &crowd);
         same(&got, "n-gram speculation beside 15 neighbours");

@@ -7,7 +7,7 @@
 //! finishes on those tokens has had one step more computed for it, which leaves with it.
 //! Off by default until the device path is measured (NOTES.md, 2026-12-05 night).
 
-use crate::batch::RequestId;
+use super::request::RequestId;
 use crate::EngineError;
 use tessera_models::step_graph::HostIds;
 use tessera_models::ChosenIds;
