@@ -2,11 +2,14 @@
 //!
 //! A [`Batch`] is the step-level engine every generation runs on — requests added,
 //! prefilled in bounded chunks between decode steps, merged into the running batch and
-//! filtered out when they finish (continuous batching, with admission limits);
-//! [`generate_batch_greedy`] runs several prompts through one. A [`Session`] owns one KV
-//! cache and the tokens it holds (feeding tokens itself where every position's logits are
-//! wanted: evaluation, speculative rounds); [`Generation`] samples from a session through a
-//! one-row batch resumed from its cache, which the session gets back when it ends;
+//! filtered out when they finish (continuous batching, with admission limits), each row
+//! with its own drafter where the batch speculates ([`BatchSpec`]);
+//! [`generate_batch_greedy`] runs several prompts through one. A [`Sequence`] is a row's
+//! tokens and the cache holding them, and [`Sequence::reuse_for`] the one rule for how much
+//! of a new prompt it gives. A [`Session`] owns one KV cache and the tokens it holds
+//! (feeding tokens itself where every position's logits are wanted: evaluation, a draft
+//! model's drafts); [`Generation`] samples from a session through a one-row batch resumed
+//! from its cache, plain or speculative, which the session gets back when it ends;
 //! [`eval`] measures perplexity and KL divergence per KV scheme, [`kv_auto`] chooses
 //! per-layer key and value widths from measured sensitivity; [`store`] fetches and
 //! verifies the default model.

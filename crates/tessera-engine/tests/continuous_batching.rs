@@ -309,7 +309,10 @@ fn admission_limits_queue_context_and_kv_budget() {
     ));
     assert!(matches!(
         batch.add(request(&vec![u32::MAX], 2)),
-        Err(EngineError::Invalid(_))
+        Err(EngineError::Field {
+            field: "prompt",
+            ..
+        })
     ));
     // The KV budget: room for the two shorter requests' whole growth, not for a third.
     let need = |p: &Vec<u32>, m: usize| batch.kv_bytes_for(p.len() + m);

@@ -151,8 +151,8 @@ impl Header {
 
 /// Whether a cache with `header` can be read into `model` under `scheme`: the model's
 /// fingerprint and layer shapes, each layer's signature and `quantized_kv_start`, the rows
-/// and the token ids. [`decode`] checks this and then the tensors; a store of cache
-/// files (the server's `--prompt-cache-dir`) can check it from [`read_header`] alone.
+/// and the token ids. [`super::decode`] checks this and then the tensors; a store of cache
+/// files (the server's `--prompt-cache-dir`) can check it from [`super::read_header`] alone.
 pub fn check_header(header: &Header, model: &Model, scheme: &KvScheme) -> Result<(), EngineError> {
     check_model(header, model)?;
     let rows = header.tokens.len();

@@ -2,17 +2,24 @@
 //! leave between steps (continuous batching).
 //!
 //! `add` queues a validated [`GenerationRequest`]; each `step` decodes one token for every
-//! running row, and then reads one bounded chunk of the oldest admitted request's prompt
-//! into a cache of its own (so running streams keep flowing while a long prompt is read);
-//! several whole short prompts waiting together are read in one forward instead, left-padded
-//! to the widest (at most one chunk of tokens in all), so a burst of arrivals costs one
-//! forward rather than one each. A request whose prompt is read samples its first token,
-//! and its cache is merged into the running batch, which it decodes with from the next step (codes copied as stored, for every KV codec); a request that
-//! finishes, or is cancelled, is filtered out at the step that ends it. Rows keep their own
-//! ends, so nothing is recomputed when rows come and go. Admission control: at
-//! most `max_batch` running rows, the KV bytes every admitted request may grow to within
-//! `kv_budget` (from the caches' own accounting, so a 4-bit scheme admits more rows), and at
-//! most `max_queue` waiting requests.
+//! running row (with speculation, each row's draft verified in one round), and then reads
+//! one bounded chunk of the oldest admitted request's prompt into a cache of its own (so
+//! running streams keep flowing while a long prompt is read); several whole short prompts
+//! waiting together are read in one forward instead, left-padded to the widest (at most one
+//! chunk of tokens in all), so a burst of arrivals costs one forward rather than one each.
+//! A request whose prompt is read samples its first token, and its cache is merged into the
+//! running batch (codes copied as stored, for every KV codec), which it decodes with from
+//! the next step; a request that finishes, or is cancelled, is filtered out at the step
+//! that ends it. Rows keep their own ends, so nothing is recomputed when rows come and go.
+//! Admission control: at most `max_batch` running rows, the KV bytes every admitted request
+//! may grow to within `kv_budget` (from the caches' own accounting, so a 4-bit scheme admits
+//! more rows), and at most `max_queue` waiting requests.
+//!
+//! The parts: `admission.rs` (what `add` refuses, the queue, which prompts are read next
+//! and the rows they become), `forwards.rs` (the forwards a step runs), `output.rs` (a
+//! row's output stage: sampling, the one draft verification, stops, log-probabilities,
+//! events), `ahead.rs` (greedy steps run one ahead of their tokens), `request.rs` (what
+//! goes in and comes out).
 
 mod admission;
 mod ahead;
